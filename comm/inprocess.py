@@ -1,0 +1,164 @@
+"""Simulated workers in one process: each worker is a thread, and the collectives block like real ones.
+
+Used by tests and experiments to run N workers on one machine with the exact arithmetic of a real
+run (buffers are copied on send, results are reduced in rank order on every worker).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce_op
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class InProcessGroupError(RuntimeError):
+    """A collective of the in-process group could not complete (timeout, or a worker failed)."""
+
+
+class _Exchange:
+    """Rendezvous shared by the workers of one group: round r completes when every rank deposited."""
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._slots: dict[int, list] = {}
+        self._reads: dict[int, int] = {}
+        self._aborted: str | None = None
+
+    def deposit(self, round_id: int, rank: int, item) -> None:
+        with self._cond:
+            self._raise_if_aborted()
+            slots = self._slots.setdefault(round_id, [None] * self.world_size)
+            slots[rank] = item
+            self._cond.notify_all()
+
+    def collect(self, round_id: int) -> list:
+        with self._cond:
+            done = self._cond.wait_for(
+                lambda: self._aborted is not None
+                or all(x is not None for x in self._slots.get(round_id, [None])),
+                timeout=self.timeout_s,
+            )
+            self._raise_if_aborted()
+            if not done:
+                slots = self._slots.get(round_id, [None] * self.world_size)
+                missing = [r for r, x in enumerate(slots) if x is None]
+                raise InProcessGroupError(
+                    f"collective #{round_id} timed out after {self.timeout_s:.0f} s "
+                    f"waiting for ranks {missing}"
+                )
+            items = list(self._slots[round_id])
+            self._reads[round_id] = self._reads.get(round_id, 0) + 1
+            if self._reads[round_id] == self.world_size:
+                del self._slots[round_id], self._reads[round_id]
+            return items
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            if self._aborted is None:
+                self._aborted = reason
+            self._cond.notify_all()
+
+    def _raise_if_aborted(self):
+        if self._aborted is not None:
+            raise InProcessGroupError(f"in-process group aborted: {self._aborted}")
+
+
+class InProcessBackend(Backend):
+    """One simulated worker of an in-process group. Make a group with ``InProcessBackend.create``."""
+
+    def __init__(self, exchange: _Exchange, rank: int):
+        self._exchange = exchange
+        self.rank = rank
+        self.world_size = exchange.world_size
+        self.stats = CommStats()
+        self._round = 0
+
+    @classmethod
+    def create(cls, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list["InProcessBackend"]:
+        """Return one backend per worker; hand each to the thread that plays that worker."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"Invalid world_size: {world_size!r} (expected an int >= 1)")
+        if not timeout_s > 0:
+            raise ValueError(f"Invalid timeout_s: {timeout_s!r}")
+        exchange = _Exchange(world_size, timeout_s)
+        return [cls(exchange, r) for r in range(world_size)]
+
+    def _next_round(self) -> int:
+        self._round += 1
+        return self._round
+
+    def start_all_gather(self, buf: torch.Tensor) -> PendingGather:
+        check_buffer(buf)
+        round_id = self._next_round()
+        self._exchange.deposit(round_id, self.rank, buf.detach().clone())
+
+        def finish():
+            bufs = self._exchange.collect(round_id)
+            received = sum(b.numel() for i, b in enumerate(bufs) if i != self.rank)
+            self.stats.record(CommStats.all_gather_bytes(buf.numel(), self.world_size), received)
+            return bufs
+
+        return PendingGather(finish)
+
+    def all_gather(self, buf):
+        return self.start_all_gather(buf).wait()
+
+    def all_reduce(self, tensor, op="mean"):
+        check_reduce_op(op)
+        round_id = self._next_round()
+        self._exchange.deposit(round_id, self.rank, tensor.detach().clone())
+        parts = self._exchange.collect(round_id)
+        total = parts[0].clone()
+        for p in parts[1:]:  # rank order on every worker: identical results everywhere
+            total.add_(p)
+        if op == "mean":
+            total.div_(self.world_size)
+        tensor.copy_(total)
+        nbytes = CommStats.ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self.stats.record(nbytes, nbytes)
+        return tensor
+
+    def abort(self, reason: str) -> None:
+        """Make every blocked or future collective of this group raise at once."""
+        self._exchange.abort(reason)
+
+    @staticmethod
+    def run(
+        world_size: int,
+        fn: Callable[[Backend], object],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        backends: Sequence["InProcessBackend"] | None = None,
+    ) -> list:
+        """Run ``fn(backend)`` on ``world_size`` worker threads; return their results in rank order.
+
+        If one worker raises, the group is aborted so the others fail fast instead of waiting for
+        the timeout, and the first worker's exception is re-raised here.
+        """
+        backends = list(backends) if backends is not None else InProcessBackend.create(world_size, timeout_s)
+
+        def play(backend):
+            try:
+                return fn(backend)
+            except BaseException as exc:
+                backend.abort(f"worker {backend.rank} raised {type(exc).__name__}: {exc}")
+                raise
+
+        with ThreadPoolExecutor(max_workers=len(backends), thread_name_prefix="distro-worker") as pool:
+            futures = [pool.submit(play, b) for b in backends]
+            errors = []
+            for f in futures:
+                exc = f.exception()
+                if exc is not None:
+                    errors.append(exc)
+            if errors:
+                # The root cause is the first error that is not a consequence of the abort.
+                root = next((e for e in errors if not isinstance(e, InProcessGroupError)), errors[0])
+                raise root
+            return [f.result() for f in futures]

@@ -1,0 +1,13 @@
+"""distro-opt: optimizers that exchange a compressed momentum instead of all-reducing gradients.
+
+``DisTrOAdamW`` is a drop-in for ``torch.optim.AdamW``; ``DeMo`` is a drop-in for the reference DeMo.
+Communication backends live in ``distro_opt.comm``.
+"""
+from .adamw import DisTrOAdamW
+from .codec import PayloadLayout, param_spec
+from .demo import DeMo
+from .quant import PayloadError
+from .transform import DCTTransform
+
+__all__ = ["DisTrOAdamW", "DeMo", "DCTTransform", "PayloadLayout", "PayloadError", "param_spec"]
+__version__ = "0.1.0"

@@ -1,0 +1,142 @@
+"""The wire format: every parameter's top-k coefficients of one step packed into ONE uint8 buffer.
+
+Layout of a payload (all sizes fixed by the shapes and settings, known before any step):
+
+    header   12 bytes: magic b"DT", format version, flags (bit 0: this worker contributes),
+             8-byte layout fingerprint (SHA-256 of every parameter's shape, chunk, k and bits)
+    param 0  indices, bit-packed with ceil(log2(chunk_numel)) bits each (12 bits for 64x64 chunks),
+             then the values in the codec of ``compression_bits`` (see ``quant.py``)
+    param 1  ...
+
+Decoding validates the header, the length, every index and every value before returning anything,
+so a bad payload raises ``PayloadError`` (a ``ValueError``) and nothing is applied from it.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .quant import PayloadError, pack_bits, packed_nbytes, unpack_bits, value_codec
+from .transform import DCTTransform
+
+MAGIC = b"DT"
+FORMAT_VERSION = 1
+HEADER_NBYTES = 12
+FLAG_CONTRIBUTES = 1
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How one parameter travels: its shape, DCT chunk shape, kept coefficients per chunk, value bits."""
+
+    shape: tuple[int, ...]
+    chunk: tuple[int, ...]
+    k: int
+    bits: int
+
+    @property
+    def num_chunks(self) -> int:
+        return math.prod(tuple(self.shape) or (1,)) // self.chunk_numel
+
+    @property
+    def chunk_numel(self) -> int:
+        return math.prod(self.chunk)
+
+    @property
+    def index_bits(self) -> int:
+        return (self.chunk_numel - 1).bit_length()
+
+    @property
+    def index_nbytes(self) -> int:
+        return packed_nbytes(self.num_chunks * self.k, self.index_bits)
+
+    @property
+    def nbytes(self) -> int:
+        return self.index_nbytes + value_codec(self.bits).nbytes(self.num_chunks, self.k)
+
+
+def param_spec(shape, topk: int, chunk_target: int, bits: int) -> ParamSpec:
+    """The spec of a parameter of ``shape`` under the group settings (k is capped at the chunk size)."""
+    chunk = DCTTransform.chunk_shape(tuple(shape), chunk_target)
+    value_codec(bits)  # validates bits
+    return ParamSpec(tuple(shape), chunk, min(topk, math.prod(chunk)), bits)
+
+
+class PayloadLayout:
+    """Offsets of every parameter in the step's buffer, the total size and the fingerprint."""
+
+    def __init__(self, specs: list[ParamSpec]):
+        self.specs = list(specs)
+        self.offsets = []
+        offset = HEADER_NBYTES
+        for spec in self.specs:
+            self.offsets.append(offset)
+            offset += spec.nbytes
+        self.nbytes = offset
+        desc = repr([(s.shape, s.chunk, s.k, s.bits) for s in self.specs]).encode()
+        self.fingerprint = hashlib.sha256(desc).digest()[:8]
+
+    def header(self, contributes: bool) -> torch.Tensor:
+        raw = MAGIC + bytes([FORMAT_VERSION, FLAG_CONTRIBUTES if contributes else 0]) + self.fingerprint
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+    def encode(self, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+        """Pack (indices, value bytes) of every parameter; ``None`` makes a non-contributing payload."""
+        buf = torch.zeros(self.nbytes, dtype=torch.uint8)
+        buf[:HEADER_NBYTES] = self.header(contributes=parts is not None)
+        for spec, offset, (idx, vbytes) in zip(self.specs, self.offsets, parts or []):
+            ibytes = pack_bits(idx, spec.index_bits).cpu()
+            buf[offset : offset + ibytes.numel()] = ibytes
+            buf[offset + spec.index_nbytes : offset + spec.nbytes] = vbytes.cpu()
+        return buf
+
+    def decode(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Validate ``buf`` and return per parameter (indices (B, k), values (B, k)), or ``None`` when
+        the sender did not contribute this step. Raises ``PayloadError`` naming what is wrong."""
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise PayloadError("payload is not a 1-D uint8 tensor")
+        if buf.numel() != self.nbytes:
+            raise PayloadError(
+                f"payload layout mismatch: {buf.numel()} bytes received, {self.nbytes} expected "
+                "(workers must have the same model, parameter order and compression settings)"
+            )
+        head = bytes(buf[:HEADER_NBYTES].tolist())
+        if head[:2] != MAGIC or head[2] != FORMAT_VERSION:
+            raise PayloadError("payload header is not a distro-opt payload of this format version")
+        if head[4:] != self.fingerprint:
+            raise PayloadError(
+                "payload layout mismatch: the sender's layout fingerprint differs from this worker's "
+                "(workers must have the same model, parameter order and compression settings)"
+            )
+        if head[3] & ~FLAG_CONTRIBUTES:
+            raise PayloadError(f"payload header has unknown flags {head[3]:#x}")
+        if not head[3] & FLAG_CONTRIBUTES:
+            return None
+        out = []
+        for i, (spec, offset) in enumerate(zip(self.specs, self.offsets)):
+            count = spec.num_chunks * spec.k
+            idx = unpack_bits(buf[offset : offset + spec.index_nbytes], spec.index_bits, count)
+            if (idx >= spec.chunk_numel).any():
+                raise PayloadError(f"payload index out of range for parameter {i} (chunk of {spec.chunk_numel})")
+            data = buf[offset + spec.index_nbytes : offset + spec.nbytes]
+            try:
+                values = value_codec(spec.bits).decode(data, spec.num_chunks, spec.k)
+            except PayloadError as exc:
+                raise PayloadError(f"{exc} (parameter {i})") from None
+            out.append((idx.reshape(spec.num_chunks, spec.k), values))
+        return out
+
+
+def aggregate(spec: ParamSpec, contributions: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor):
+    """DeMo's aggregate: each coefficient is the mean of the values of the workers that kept it
+    (0 where nobody did). ``contributions`` are (indices, values) of one parameter, one per worker."""
+    total = torch.zeros(spec.num_chunks, spec.chunk_numel, dtype=like.dtype, device=like.device)
+    count = torch.zeros_like(total)
+    for idx, values in contributions:
+        idx = idx.to(like.device)
+        total.scatter_add_(1, idx, values.to(device=like.device, dtype=like.dtype))
+        count.scatter_add_(1, idx, torch.ones_like(total[:, : idx.shape[1]]))
+    return total / count.clamp(min=1)

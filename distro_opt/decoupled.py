@@ -1,0 +1,211 @@
+"""The step shared by DeMo and DisTrOAdamW: decoupled momentum, compression, one all-gather, aggregate.
+
+Per parameter p with gradient g (DeMo, arXiv 2411.19870, Algorithm 1), in the DCT domain:
+
+    Delta <- beta * Delta + s * DCT(g)              (beta = compression_decay; s = lr for DeMo, 1 else)
+    q     <- top-k per chunk of Delta, quantized     (what is sent)
+    Delta <- Delta - q                              (error feedback: the sender keeps what it did not send)
+    Q     <- mean over the workers that kept each coefficient of their q   (after the all-gather)
+    p     <- update(p, IDCT(Q))                      (subclass: sign step, or an Adam-normalized step)
+
+Because the DCT is orthonormal, keeping Delta in the DCT domain is the same algorithm as the reference's
+spatial-domain buffer, and saves one inverse transform per step. Every payload (the worker's own
+included) is decoded from the gathered bytes, so all workers apply bit-identical updates.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from distro_opt.comm import resolve_backend
+
+from .codec import PayloadLayout, aggregate, param_spec
+from .quant import PayloadError, value_codec
+from .transform import DCTTransform
+
+
+def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits):
+    """torch-style validation (``not 0.0 <= x`` so that NaN is rejected too)."""
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not 0.0 <= compression_decay < 1.0:
+        raise ValueError(f"Invalid compression_decay value: {compression_decay}")
+    if not (isinstance(compression_topk, int) and compression_topk >= 1):
+        raise ValueError(f"Invalid compression_topk value: {compression_topk}")
+    if not (isinstance(compression_chunk, int) and compression_chunk >= 1):
+        raise ValueError(f"Invalid compression_chunk value: {compression_chunk}")
+    value_codec(compression_bits)
+
+
+class DecoupledMomentumOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses choose the momentum input scale and the final update."""
+
+    # GradScaler hands us grad_scale/found_inf instead of skipping step() on one worker only:
+    # a skipped step would leave the other workers waiting in the collective.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults, comm=None, process_group=None, overlap=False):
+        super().__init__(params, defaults)
+        self.comm = resolve_backend(comm, process_group)
+        self.overlap = bool(overlap)
+        self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
+        self._transform = DCTTransform()
+        self._layouts: dict[tuple, PayloadLayout] = {}
+        self._pending = None
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _momentum_scale(self, group) -> float:
+        raise NotImplementedError
+
+    def _update(self, group, p, direction: torch.Tensor, state) -> None:
+        raise NotImplementedError
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _entries(self):
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _layout(self, entries) -> PayloadLayout:
+        key = tuple(
+            (tuple(p.shape), g["compression_topk"], g["compression_chunk"], g["compression_bits"])
+            for g, p in entries
+        )
+        if key not in self._layouts:
+            self._layouts[key] = PayloadLayout([param_spec(*k) for k in key])
+        return self._layouts[key]
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes this worker sends per collective (the buffer's size), known before any step."""
+        return self._layout(self._entries()).nbytes
+
+    # -- step ------------------------------------------------------------------------------------
+    @staticmethod
+    def _work_dtype(p):
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+    def _state(self, p, spec):
+        state = self.state[p]
+        if "delta" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["delta"] = torch.zeros(spec.num_chunks, spec.chunk_numel, dtype=self._work_dtype(p), device=p.device)
+        return state
+
+    def _local_contributes(self, entries) -> bool:
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            warnings.warn("distro-opt: GradScaler found inf/NaN gradients; this worker contributes nothing this step")
+            return False
+        for _, p in entries:
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
+                return False
+        return True
+
+    def _compress(self, entries, layout):
+        """Momentum update, top-k, quantization and error feedback, without touching the state."""
+        grad_scale = getattr(self, "grad_scale", None)
+        parts, deltas = [], []
+        for (group, p), spec in zip(entries, layout.specs):
+            delta = self._state(p, spec)["delta"]
+            g = p.grad.to(delta.dtype) if p.grad is not None else torch.zeros(p.shape, dtype=delta.dtype, device=p.device)
+            if grad_scale is not None:
+                g = g / grad_scale.to(g.device)
+            new = self._transform.encode(g, spec.chunk).mul_(self._momentum_scale(group))
+            new.add_(delta, alpha=group["compression_decay"])
+            idx = new.abs().topk(spec.k, dim=1, sorted=False).indices
+            vbytes, sent = value_codec(spec.bits).encode(new.gather(1, idx))
+            new.scatter_add_(1, idx, -sent)  # error feedback: keep what was not sent
+            parts.append((idx, vbytes))
+            deltas.append(new)
+        return parts, deltas
+
+    def _decode_all(self, layout, bufs):
+        decoded = []
+        drops = getattr(self.comm, "drops_invalid_payloads", False)
+        for i, buf in enumerate(bufs):
+            try:
+                payload = layout.decode(buf)
+            except PayloadError as exc:
+                if not drops:
+                    raise PayloadError(f"payload of worker {i} rejected: {exc}") from None
+                warnings.warn(f"distro-opt: dropped invalid payload {i}: {exc}")
+                self.comm.report_invalid(i)
+                continue
+            if payload is not None:
+                decoded.append(payload)
+        return decoded
+
+    def _apply(self, entries, layout, decoded):
+        if not decoded:  # nobody contributed: a skipped step, on every worker alike
+            return
+        for j, ((group, p), spec) in enumerate(zip(entries, layout.specs)):
+            state = self._state(p, spec)
+            agg = aggregate(spec, [d[j] for d in decoded], like=state["delta"])
+            direction = self._transform.decode(agg, tuple(p.shape), spec.chunk)
+            state["step"] += 1  # applied updates: the same count on every worker
+            if group["weight_decay"] != 0:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            self._update(group, p, direction, state)
+
+    def _finish(self, pending, before_apply=None):
+        """Wait for a started collective, validate every payload, then (and only then) write."""
+        handle, entries, layout = pending
+        t0 = time.perf_counter()
+        bufs = handle.wait()
+        t1 = time.perf_counter()
+        decoded = self._decode_all(layout, bufs)
+        if before_apply is not None:
+            before_apply()
+        self._apply(entries, layout, decoded)
+        return t1 - t0, time.perf_counter() - t1
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        entries = self._entries()
+        layout = self._layout(entries)
+        if self._local_contributes(entries):
+            parts, deltas = self._compress(entries, layout)
+        else:
+            parts, deltas = None, None
+        buf = layout.encode(parts)
+        codec_s = time.perf_counter() - t0
+
+        def commit():
+            for (_, p), spec, new in zip(entries, layout.specs, deltas or []):
+                state = self._state(p, spec)
+                state["delta"] = new
+
+        if self.overlap:  # step t's collective travels while step t+1 computes; its update lands then
+            commit()
+            previous, self._pending = self._pending, (self.comm.start_all_gather(buf), entries, layout)
+            comm_s, apply_s = self._finish(previous) if previous is not None else (0.0, 0.0)
+        else:
+            pending = (self.comm.start_all_gather(buf), entries, layout)
+            comm_s, apply_s = self._finish(pending, before_apply=commit)
+        self.last_step_timing = {"codec_s": codec_s + apply_s, "comm_s": comm_s}
+        return loss
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Overlap mode: wait for the last collective and apply its update (a no-op otherwise)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish(pending)
+
+    def state_dict(self):
+        """As torch's, after ``flush()`` so that no started update is lost from the checkpoint."""
+        self.flush()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        self._pending = None
+        super().load_state_dict(state_dict)

@@ -1,0 +1,144 @@
+"""Bit packing and the value codecs of the wire format (one codec per ``compression_bits``).
+
+Every codec works on a (num_chunks, k) matrix of top-k coefficients and stores them in a fixed
+number of bytes, so a payload's size depends only on the model's shapes and the settings.
+
+| bits | stored                                  | bytes for B chunks of k values     |
+|------|-----------------------------------------|------------------------------------|
+| 64   | float64                                 | 8 B k                              |
+| 32   | float32                                 | 4 B k                              |
+| 16   | bfloat16                                | 2 B k                              |
+| 8    | int8 levels of a per-chunk scale        | B k + 2 B (bf16 scale = absmax)     |
+| 2    | 4 levels {-1, -1/3, 1/3, 1} x scale     | ceil(2 B k / 8) + 2 B (absmax)      |
+| 1    | sign x per-chunk magnitude              | ceil(B k / 8) + 2 B (mean abs)      |
+
+The 1-bit codec's magnitude is the mean absolute value of the chunk's kept coefficients, the scale
+that minimises the squared error of a sign code (as in 1-bit SGD / signSGD with scaling).
+"""
+from __future__ import annotations
+
+import torch
+
+SCALE_NBYTES = 2  # per-chunk scales travel as bfloat16: fp32 range, 8 significant bits
+
+
+class PayloadError(ValueError):
+    """A received payload is malformed; the message says what is wrong."""
+
+
+def packed_nbytes(count: int, nbits: int) -> int:
+    return (count * nbits + 7) // 8
+
+
+def pack_bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Pack non-negative integers < 2**nbits, little-endian bit order, into a uint8 tensor."""
+    flat = values.reshape(-1).to(torch.int64)
+    if nbits == 0 or flat.numel() == 0:
+        return torch.empty(packed_nbytes(flat.numel(), nbits), dtype=torch.uint8, device=values.device)
+    shifts = torch.arange(nbits, device=flat.device)
+    bits = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], device=flat.device)
+    return (bits.reshape(-1, 8) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: ``count`` integers of ``nbits`` bits as int64."""
+    if nbits == 0:
+        return torch.zeros(count, dtype=torch.int64, device=data.device)
+    shifts = torch.arange(8, device=data.device)
+    bits = ((data.to(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[: count * nbits]
+    weights = torch.ones(nbits, dtype=torch.int64, device=data.device) << torch.arange(nbits, device=data.device)
+    return (bits.reshape(count, nbits) * weights).sum(1)
+
+
+def _bf16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
+
+
+def _bf16_from_bytes(data: torch.Tensor) -> torch.Tensor:
+    return data.clone().view(torch.bfloat16).float()  # clone: the slice may be unaligned
+
+
+class FloatValues:
+    """Values stored as a floating-point dtype (no scale)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def nbytes(self, num_chunks: int, k: int) -> int:
+        return num_chunks * k * self.itemsize
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (bytes, the values as the receivers will decode them)."""
+        stored = values.to(self.dtype).contiguous()
+        return stored.view(torch.uint8).reshape(-1), stored.to(values.dtype)
+
+    def decode(self, data: torch.Tensor, num_chunks: int, k: int) -> torch.Tensor:
+        values = data.clone().view(self.dtype).reshape(num_chunks, k)  # clone: may be unaligned
+        if not torch.isfinite(values).all():
+            raise PayloadError("payload holds non-finite values")
+        return values
+
+
+class ScaledValues:
+    """Values quantized to ``nbits`` bits of a per-chunk bf16 scale (8, 2 or 1 bits)."""
+
+    def __init__(self, nbits: int):
+        if nbits not in (1, 2, 8):
+            raise ValueError(f"Invalid compression_bits for a scaled codec: {nbits}")
+        self.nbits = nbits
+        self.levels = (1 << nbits) - 1 if nbits > 1 else 1  # 8 bits: 255 levels, -127..127
+
+    def nbytes(self, num_chunks: int, k: int) -> int:
+        return packed_nbytes(num_chunks * k, self.nbits) + SCALE_NBYTES * num_chunks
+
+    def _scale(self, values: torch.Tensor) -> torch.Tensor:
+        mag = values.abs()
+        scale = mag.mean(1, keepdim=True) if self.nbits == 1 else mag.amax(1, keepdim=True)
+        return scale.to(torch.bfloat16).to(values.dtype)  # what the receivers will see
+
+    def _codes(self, values, scale):
+        x = values / torch.where(scale > 0, scale, torch.ones_like(scale))
+        if self.nbits == 1:
+            return (x >= 0).to(torch.int64)
+        if self.nbits == 2:
+            return torch.clamp(torch.round((x + 1) * 1.5), 0, 3).to(torch.int64)
+        return torch.clamp(torch.round(x * 127), -127, 127).to(torch.int64) + 127
+
+    def _values(self, codes, scale):
+        c = codes.to(scale.dtype)
+        if self.nbits == 1:
+            return (2 * c - 1) * scale
+        if self.nbits == 2:
+            return (c / 1.5 - 1) * scale
+        return (c - 127) / 127 * scale
+
+    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self._scale(values)
+        codes = self._codes(values, scale)
+        data = torch.cat([pack_bits(codes, self.nbits), _bf16_bytes(scale)])
+        # decode in float32 exactly as the receivers do, so the sender subtracts what they add
+        return data, self._values(codes, scale.float()).to(values.dtype)
+
+    def decode(self, data: torch.Tensor, num_chunks: int, k: int) -> torch.Tensor:
+        split = packed_nbytes(num_chunks * k, self.nbits)
+        codes = unpack_bits(data[:split], self.nbits, num_chunks * k).reshape(num_chunks, k)
+        scale = _bf16_from_bytes(data[split:]).reshape(num_chunks, 1)
+        if not torch.isfinite(scale).all() or (scale < 0).any():
+            raise PayloadError("payload holds a non-finite or negative chunk scale")
+        if self.nbits == 8 and (codes > 254).any():
+            raise PayloadError("payload holds an int8 code out of range (255)")
+        return self._values(codes, scale)
+
+
+def value_codec(bits: int):
+    """The value codec for ``compression_bits``."""
+    if bits in (64, 32, 16):
+        return FloatValues({64: torch.float64, 32: torch.float32, 16: torch.bfloat16}[bits])
+    if bits in (8, 2, 1):
+        return ScaledValues(bits)
+    raise ValueError(f"Invalid compression_bits: {bits} (expected one of 64, 32, 16, 8, 2, 1)")

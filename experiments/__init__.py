@@ -1,0 +1,5 @@
+"""Experiments for distro-opt: data, model, runner, byte calculator, peer program.
+
+Run from the repository root as ``python -m experiments.<name>``; installed as ``distro_opt.experiments``.
+Modules here import each other relatively so both names work.
+"""

@@ -1,0 +1,224 @@
+"""Torch conventions and multi-worker behaviour of DisTrOAdamW and DeMo."""
+import io
+import warnings
+
+import pytest
+import torch
+
+from distro_opt import DeMo, DisTrOAdamW, PayloadError
+from distro_opt.comm import InProcessBackend
+
+OPTIMIZERS = [DisTrOAdamW, DeMo]
+
+
+def make_model(seed=0, width=32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+
+
+def batch(step, rank=0):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def train(model, opt, steps, rank=0, start=0):
+    for t in range(start, start + steps):
+        x, y = batch(t, rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+        (dict(lr=float("nan")), "Invalid learning rate: nan"),
+        (dict(weight_decay=-0.1), "Invalid weight_decay value: -0.1"),
+        (dict(compression_decay=1.0), "Invalid compression_decay value: 1.0"),
+        (dict(compression_topk=0), "Invalid compression_topk value: 0"),
+        (dict(compression_chunk=2.5), "Invalid compression_chunk value: 2.5"),
+        (dict(compression_bits=3), "Invalid compression_bits: 3"),
+    ],
+)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_invalid_hyperparameters_raise_torch_style(cls, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cls(make_model().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(betas=(1.0, 0.9)), "Invalid beta parameter at index 0"), (dict(eps=-1e-8), "Invalid epsilon value"),
+     (dict(update="lion"), "Invalid update")],
+)
+def test_distro_adamw_validates_adam_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DisTrOAdamW(make_model().parameters(), **kwargs)
+
+
+def test_distro_adamw_accepts_adamw_positional_signature():
+    opt = DisTrOAdamW(make_model().parameters(), 3e-4, (0.8, 0.95), 1e-6, 0.1)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.8, 0.95), 1e-6, 0.1)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_closure_is_called_with_grad_enabled_and_its_loss_returned(cls):
+    model = make_model()
+    opt = cls(model.parameters())
+    x, y = batch(0)
+
+    def closure():
+        assert torch.is_grad_enabled()
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    assert isinstance(opt.step(closure), torch.Tensor)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_lr_scheduler_sets_the_sign_step_size(cls):
+    model = make_model()
+    opt = cls(model.parameters(), lr=0.01, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1)
+    sched.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, 1, start=1)
+    biggest = max((p.detach() - b).abs().max().item() for p, b in zip(model.parameters(), before))
+    assert biggest == pytest.approx(0.005, rel=1e-5)
+
+
+def test_param_groups_have_their_own_settings():
+    model = make_model()
+    opt = DisTrOAdamW(
+        [{"params": model[0].parameters(), "lr": 0.0}, {"params": model[2].parameters(), "compression_topk": 16}],
+        lr=0.01,
+    )
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    moved = [p.detach().clone() for p in model[2].parameters()]
+    small = DisTrOAdamW(model.parameters()).payload_nbytes
+    assert opt.payload_nbytes > small  # topk 16 instead of 4 for the second layer
+    train(model, opt, 2)
+    assert all(torch.equal(p, f) for p, f in zip(model[0].parameters(), frozen))
+    assert not any(torch.equal(p, m) for p, m in zip(model[2].parameters(), moved))
+
+
+@pytest.mark.parametrize("cls, extra", [(DeMo, {}), (DisTrOAdamW, {"update": "sign"}), (DisTrOAdamW, {"update": "adam"})])
+def test_state_dict_resume_is_bit_identical(cls, extra):
+    straight = make_model()
+    opt = cls(straight.parameters(), lr=0.01, **extra)
+    train(straight, opt, 10)
+
+    first = make_model()
+    opt = cls(first.parameters(), lr=0.01, **extra)
+    train(first, opt, 5)
+    saved = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, saved)
+    saved.seek(0)
+    ckpt = torch.load(saved)
+    resumed = make_model(seed=123)
+    resumed.load_state_dict(ckpt["model"])
+    opt = cls(resumed.parameters(), lr=0.01, **extra)
+    opt.load_state_dict(ckpt["opt"])
+    train(resumed, opt, 5, start=5)
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_holds_every_tensor_of_state():
+    model = make_model()
+    opt = DisTrOAdamW(model.parameters(), update="adam")
+    train(model, opt, 1)
+    state = opt.state_dict()["state"][0]
+    assert set(state) == {"step", "delta", "exp_avg", "exp_avg_sq"}
+    assert state["delta"].abs().sum() > 0  # error feedback kept what was not sent
+
+
+def test_payload_nbytes_is_known_before_a_step_and_is_what_is_sent():
+    model = make_model()
+    backends = InProcessBackend.create(1)
+    opt = DisTrOAdamW(model.parameters(), comm=backends[0])
+    expected = opt.payload_nbytes
+    sent = []
+    original = backends[0].start_all_gather
+    backends[0].start_all_gather = lambda buf: sent.append(buf.numel()) or original(buf)
+    train(model, opt, 2)
+    assert sent == [expected, expected]
+
+
+def _replicas(world_size, fn, steps=6):
+    models = [make_model() for _ in range(world_size)]  # built here: torch's global RNG is not per thread
+
+    def worker(backend):
+        model = models[backend.rank]
+        opt = fn(model, backend)
+        train(model, opt, steps, rank=backend.rank)
+        return [p.detach().clone() for p in model.parameters()], backend.stats
+
+    return InProcessBackend.run(world_size, worker, timeout_s=60)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_workers_end_with_identical_replicas_and_counted_bytes(cls):
+    results = _replicas(4, lambda m, b: cls(m.parameters(), lr=0.01, comm=b))
+    first = results[0][0]
+    for params, _ in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, params))
+    nbytes = cls(make_model().parameters()).payload_nbytes
+    for _, stats in results:
+        assert stats.steps == 6
+        assert stats.bytes_sent == stats.bytes_received == 6 * 3 * nbytes
+
+
+def test_non_finite_worker_contributes_nothing_and_poisons_no_one():
+    models = [make_model() for _ in range(3)]
+
+    def worker(backend):
+        model = models[backend.rank]
+        opt = DisTrOAdamW(model.parameters(), lr=0.01, comm=backend)
+        caught = []
+        for t in range(4):
+            x, y = batch(t, backend.rank)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if backend.rank == 1 and t == 2:
+                next(model.parameters()).grad[0, 0] = float("nan")
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                opt.step()
+            caught += [str(x.message) for x in w]
+        return [p.detach().clone() for p in model.parameters()], caught
+
+    results = InProcessBackend.run(3, worker, timeout_s=60)
+    assert any("non-finite" in m for m in results[1][1])
+    for params, _ in results:
+        assert all(torch.isfinite(p).all() for p in params)
+        assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))
+
+
+@pytest.mark.parametrize("width", [32, 33])  # same buffer size but other shapes; other size
+def test_mismatched_models_raise_on_every_worker(width):
+    models = [make_model(width=32), make_model(width=width)]
+
+    def worker(backend):
+        model = models[backend.rank]
+        if backend.rank == 1 and width == 32:  # same shapes, other order: the fingerprint differs
+            model = torch.nn.Sequential(*reversed([m for m in model]))
+        opt = DisTrOAdamW(model.parameters(), comm=backend)
+        params = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        try:
+            opt.step()
+        except PayloadError as exc:
+            unchanged = all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            return str(exc), unchanged, len(opt.state)
+        return None, None, None
+
+    for message, unchanged, nstate in InProcessBackend.run(2, worker, timeout_s=60):
+        assert message is not None and "layout mismatch" in message
+        assert unchanged and nstate <= 4  # nothing written into parameters before validation
