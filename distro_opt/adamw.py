@@ -1,6 +1,8 @@
 """DisTrOAdamW: a drop-in for torch.optim.AdamW that exchanges a compressed decoupled momentum."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .decoupled import DecoupledMomentumOptimizer, check_hyperparameters
@@ -8,23 +10,34 @@ from .decoupled import DecoupledMomentumOptimizer, check_hyperparameters
 UPDATES = ("sign", "adam")
 
 
+def default_inner_optimizer(param_groups):
+    """AdamW with each group's lr, betas, eps and weight decay: the local-step mode's inner steps."""
+    keys = ("params", "lr", "betas", "eps", "weight_decay")
+    return torch.optim.AdamW([{k: g[k] for k in keys} for g in param_groups])
+
+
 class DisTrOAdamW(DecoupledMomentumOptimizer):
     """AdamW's constructor, DeMo's communication (arXiv 2411.19870), Psyche's lean wire format.
 
-    Per step and parameter: ``Delta = compression_decay * Delta + g`` in the chunked DCT domain; the
-    top-``compression_topk`` coefficients per chunk are sent in ``compression_bits`` bits and
-    subtracted (error feedback); the aggregate U = IDCT(mean of what the workers sent) drives the
-    update, after decoupled weight decay ``p *= 1 - lr * weight_decay``:
+    Per-step mode (``sync_every=1``, default), per parameter: ``Delta = compression_decay * Delta + g``
+    in the chunked DCT domain; the top-``compression_topk`` coefficients per chunk are sent in
+    ``compression_bits`` bits and subtracted (error feedback); U = IDCT(mean of what the workers
+    sent) drives the update, after decoupled weight decay ``p *= 1 - lr * weight_decay``:
 
     * ``update="sign"`` (default): ``p -= lr * sign(U)``, DeMo's update. ``betas``/``eps`` unused.
     * ``update="adam"``: ``m = b1 m + (1-b1) U``, ``v = b2 v + (1-b2) U^2``,
       ``p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``: AdamW's normalization of U.
 
+    Local-step mode (``sync_every=H > 1``; DiLoCo, Douillard et al. 2023; SparseLoCo 2025): each
+    worker takes H steps of ``inner_optimizer`` (AdamW with this optimizer's lr, betas, eps and
+    weight decay by default) without communicating. At a sync the pseudo-gradient
+    ``anchor - p`` (anchor = parameters at the last sync) goes through the same decayed error
+    feedback, transform and codec; the aggregate G updates the anchor with an outer SGD step
+    ``anchor -= outer_lr * (G + mu * m)``, ``m = mu * m + G`` (Nesterov when ``outer_momentum`` mu > 0),
+    and every worker restarts from it. One collective per H steps.
+
     The defaults (top-4 of each 64x64 chunk, 1-bit values with a bf16 magnitude per chunk) send
     8.5 bytes per 4096 parameters: 0.0021 bytes per parameter per step, as lean as Psyche's setting.
-
-    Args follow ``torch.optim.AdamW``; the keyword-only ones are distro-opt's (see ``DeMo``) plus
-    ``update`` ("sign" or "adam").
     """
 
     def __init__(
@@ -40,35 +53,94 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         compression_chunk: int = 64,
         compression_bits: int = 1,
         update: str = "sign",
+        sync_every: int = 1,
+        inner_optimizer=None,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
         comm=None,
         overlap: bool = False,
     ):
         check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits)
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
         if update not in UPDATES:
             raise ValueError(f"Invalid update: {update!r} (expected one of {UPDATES})")
+        if not (isinstance(sync_every, int) and sync_every >= 1):
+            raise ValueError(f"Invalid sync_every value: {sync_every}")
+        if not 0.0 <= outer_lr:
+            raise ValueError(f"Invalid outer_lr value: {outer_lr}")
+        if not 0.0 <= outer_momentum < 1.0:
+            raise ValueError(f"Invalid outer_momentum value: {outer_momentum}")
         defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            compression_decay=compression_decay,
-            compression_topk=compression_topk,
-            compression_chunk=compression_chunk,
-            compression_bits=compression_bits,
-            update=update,
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, compression_decay=compression_decay,
+            compression_topk=compression_topk, compression_chunk=compression_chunk,
+            compression_bits=compression_bits, update=update, outer_lr=outer_lr, outer_momentum=outer_momentum,
         )
         super().__init__(params, defaults, comm=comm, overlap=overlap)
+        self.sync_every = sync_every
+        self._inner = None
+        if sync_every > 1:
+            if overlap:
+                raise ValueError("overlap=True applies to the per-step mode only (sync_every=1)")
+            self._skip_empty_steps = False  # a sync resets every worker to the anchor, contributions or not
+            self._inner = (inner_optimizer or default_inner_optimizer)(self.param_groups)
 
     def _momentum_scale(self, group):
         return 1.0
 
+    # -- local-step mode ---------------------------------------------------------------------------
+    def _communicates_this_step(self, entries) -> bool:
+        if self._inner is None:
+            return True
+        for _, p in entries:
+            if "anchor" not in self.state[p]:
+                self.state[p]["anchor"] = p.detach().to(self._work_dtype(p), copy=True)
+        if all(p.grad is None or torch.isfinite(p.grad).all() for _, p in entries):
+            for inner, outer in zip(self._inner.param_groups, self.param_groups):
+                inner["lr"] = outer["lr"]  # LR schedulers act on this optimizer's groups
+            self._inner.step()
+        else:
+            warnings.warn("distro-opt: non-finite local gradient; this inner step is skipped")
+        local = self.state["local_step"] = self.state.get("local_step", 0) + 1
+        return local % self.sync_every == 0
+
+    def _inputs(self, entries):
+        if self._inner is None:
+            return super()._inputs(entries)
+        return [self.state[p]["anchor"] - p.detach().to(self.state[p]["anchor"].dtype) for _, p in entries]
+
+    def _outer_update(self, group, p, direction, state):
+        mu = group["outer_momentum"]
+        if mu > 0:
+            m = state.setdefault("outer_momentum_buffer", torch.zeros_like(direction))
+            m.mul_(mu).add_(direction)
+            direction = direction + mu * m
+        state["anchor"].add_(direction, alpha=-group["outer_lr"])
+        p.copy_(state["anchor"])
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if self._inner is not None:
+            sd["inner"] = self._inner.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        inner = state_dict.pop("inner", None)
+        if (inner is None) != (self._inner is None):
+            raise ValueError("checkpoint and optimizer disagree on the local-step mode (sync_every)")
+        super().load_state_dict(state_dict)
+        if inner is not None:
+            self._inner.load_state_dict(inner)
+
+    # -- the update --------------------------------------------------------------------------------
     def _update(self, group, p, direction, state):
+        if self._inner is not None:
+            return self._outer_update(group, p, direction, state)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
         if group["update"] == "sign":
             p.add_(direction.sign().to(p.dtype), alpha=-group["lr"])
             return

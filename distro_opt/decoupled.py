@@ -44,6 +44,8 @@ def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk,
 class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     """Base class: subclasses choose the momentum input scale and the final update."""
 
+    # A step that nobody contributed to is skipped on every worker alike (False: apply it anyway).
+    _skip_empty_steps = True
     # GradScaler hands us grad_scale/found_inf instead of skipping step() on one worker only:
     # a skipped step would leave the other workers waiting in the collective.
     _step_supports_amp_scaling = True
@@ -62,7 +64,12 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _update(self, group, p, direction: torch.Tensor, state) -> None:
+        """Apply the aggregated direction to ``p`` (weight decay included)."""
         raise NotImplementedError
+
+    def _communicates_this_step(self, entries) -> bool:
+        """False for a step that stays local (the local-step mode's inner steps)."""
+        return True
 
     # -- layout ----------------------------------------------------------------------------------
     def _entries(self):
@@ -94,24 +101,27 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             state["delta"] = torch.zeros(spec.num_chunks, spec.chunk_numel, dtype=self._work_dtype(p), device=p.device)
         return state
 
-    def _local_contributes(self, entries) -> bool:
+    def _inputs(self, entries) -> list[torch.Tensor | None]:
+        """What each parameter feeds into its momentum this step: its gradient (None: no gradient)."""
+        return [p.grad for _, p in entries]
+
+    def _local_contributes(self, inputs) -> bool:
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) > 0:
             warnings.warn("distro-opt: GradScaler found inf/NaN gradients; this worker contributes nothing this step")
             return False
-        for _, p in entries:
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
-                return False
+        if not all(x is None or torch.isfinite(x).all() for x in inputs):
+            warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
+            return False
         return True
 
-    def _compress(self, entries, layout):
+    def _compress(self, entries, layout, inputs):
         """Momentum update, top-k, quantization and error feedback, without touching the state."""
         grad_scale = getattr(self, "grad_scale", None)
         parts, deltas = [], []
-        for (group, p), spec in zip(entries, layout.specs):
+        for (group, p), spec, x in zip(entries, layout.specs, inputs):
             delta = self._state(p, spec)["delta"]
-            g = p.grad.to(delta.dtype) if p.grad is not None else torch.zeros(p.shape, dtype=delta.dtype, device=p.device)
+            g = x.to(delta.dtype) if x is not None else torch.zeros(p.shape, dtype=delta.dtype, device=p.device)
             if grad_scale is not None:
                 g = g / grad_scale.to(g.device)
             new = self._transform.encode(g, spec.chunk).mul_(self._momentum_scale(group))
@@ -140,15 +150,13 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         return decoded
 
     def _apply(self, entries, layout, decoded):
-        if not decoded:  # nobody contributed: a skipped step, on every worker alike
+        if not decoded and self._skip_empty_steps:  # nobody contributed: skipped on every worker alike
             return
         for j, ((group, p), spec) in enumerate(zip(entries, layout.specs)):
             state = self._state(p, spec)
             agg = aggregate(spec, [d[j] for d in decoded], like=state["delta"])
             direction = self._transform.decode(agg, tuple(p.shape), spec.chunk)
             state["step"] += 1  # applied updates: the same count on every worker
-            if group["weight_decay"] != 0:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
             self._update(group, p, direction, state)
 
     def _finish(self, pending, before_apply=None):
@@ -171,9 +179,13 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 loss = closure()
         t0 = time.perf_counter()
         entries = self._entries()
+        if not self._communicates_this_step(entries):
+            self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
+            return loss
         layout = self._layout(entries)
-        if self._local_contributes(entries):
-            parts, deltas = self._compress(entries, layout)
+        inputs = self._inputs(entries)
+        if self._local_contributes(inputs):
+            parts, deltas = self._compress(entries, layout, inputs)
         else:
             parts, deltas = None, None
         buf = layout.encode(parts)
