@@ -98,7 +98,8 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         for _, p in entries:
             if "anchor" not in self.state[p]:
                 self.state[p]["anchor"] = p.detach().to(self._work_dtype(p), copy=True)
-        if all(p.grad is None or torch.isfinite(p.grad).all() for _, p in entries):
+        grads = [p.grad for _, p in entries if p.grad is not None]
+        if not grads or torch.stack(torch._foreach_norm(grads)).isfinite().all():  # one fused pass
             for inner, outer in zip(self._inner.param_groups, self.param_groups):
                 inner["lr"] = outer["lr"]  # LR schedulers act on this optimizer's groups
             self._inner.step()

@@ -132,11 +132,13 @@ class PayloadLayout:
 
 def aggregate(spec: ParamSpec, contributions: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor):
     """DeMo's aggregate: each coefficient is the mean of the values of the workers that kept it
-    (0 where nobody did). ``contributions`` are (indices, values) of one parameter, one per worker."""
-    total = torch.zeros(spec.num_chunks, spec.chunk_numel, dtype=like.dtype, device=like.device)
-    count = torch.zeros_like(total)
-    for idx, values in contributions:
-        idx = idx.to(like.device)
-        total.scatter_add_(1, idx, values.to(device=like.device, dtype=like.dtype))
-        count.scatter_add_(1, idx, torch.ones_like(total[:, : idx.shape[1]]))
-    return total / count.clamp(min=1)
+    (0 where nobody did). ``contributions`` are (indices, values) of one parameter, one per worker.
+
+    Returned sparse, as (indices, weights) per chunk with repeats: a coefficient kept by n workers
+    appears n times with weight value / n, so the repeats add up to the mean."""
+    dev, dtype = like.device, like.dtype
+    idx = torch.cat([i.to(dev) for i, _ in contributions], dim=1)
+    values = torch.cat([v.to(device=dev, dtype=dtype) for _, v in contributions], dim=1)
+    count = torch.zeros(spec.num_chunks, spec.chunk_numel, dtype=dtype, device=dev)
+    count.scatter_add_(1, idx, torch.ones_like(values))
+    return idx, values / count.gather(1, idx)

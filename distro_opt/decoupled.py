@@ -105,20 +105,22 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         """What each parameter feeds into its momentum this step: its gradient (None: no gradient)."""
         return [p.grad for _, p in entries]
 
-    def _local_contributes(self, inputs) -> bool:
+    def _scaler_found_inf(self) -> bool:
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and float(found_inf) > 0:
             warnings.warn("distro-opt: GradScaler found inf/NaN gradients; this worker contributes nothing this step")
-            return False
-        if not all(x is None or torch.isfinite(x).all() for x in inputs):
-            warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
-            return False
-        return True
+            return True
+        return False
 
     def _compress(self, entries, layout, inputs):
-        """Momentum update, top-k, quantization and error feedback, without touching the state."""
+        """Momentum update, top-k, quantization and error feedback, without touching the state.
+
+        Returns (None, None) when an input is not finite. A NaN or inf anywhere in a chunk spreads
+        to all of that chunk's coefficients, and top-k ranks NaN and inf first, so checking the kept
+        values finds it without another pass over the gradients."""
         grad_scale = getattr(self, "grad_scale", None)
         parts, deltas = [], []
+        finite = True
         for (group, p), spec, x in zip(entries, layout.specs, inputs):
             delta = self._state(p, spec)["delta"]
             g = x.to(delta.dtype) if x is not None else torch.zeros(p.shape, dtype=delta.dtype, device=p.device)
@@ -127,10 +129,15 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             new = self._transform.encode(g, spec.chunk).mul_(self._momentum_scale(group))
             new.add_(delta, alpha=group["compression_decay"])
             idx = new.abs().topk(spec.k, dim=1, sorted=False).indices
-            vbytes, sent = value_codec(spec.bits).encode(new.gather(1, idx))
+            kept = new.gather(1, idx)
+            finite &= bool(torch.isfinite(kept).all())
+            vbytes, sent = value_codec(spec.bits).encode(kept)
             new.scatter_add_(1, idx, -sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             deltas.append(new)
+        if not finite:
+            warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
+            return None, None
         return parts, deltas
 
     def _decode_all(self, layout, bufs):
@@ -154,8 +161,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             return
         for j, ((group, p), spec) in enumerate(zip(entries, layout.specs)):
             state = self._state(p, spec)
-            agg = aggregate(spec, [d[j] for d in decoded], like=state["delta"])
-            direction = self._transform.decode(agg, tuple(p.shape), spec.chunk)
+            if decoded:
+                idx, weights = aggregate(spec, [d[j] for d in decoded], like=state["delta"])
+                direction = self._transform.decode_sparse(idx, weights, tuple(p.shape), spec.chunk)
+            else:
+                direction = torch.zeros(p.shape, dtype=state["delta"].dtype, device=p.device)
             state["step"] += 1  # applied updates: the same count on every worker
             self._update(group, p, direction, state)
 
@@ -183,11 +193,10 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
             return loss
         layout = self._layout(entries)
-        inputs = self._inputs(entries)
-        if self._local_contributes(inputs):
-            parts, deltas = self._compress(entries, layout, inputs)
-        else:
+        if self._scaler_found_inf():
             parts, deltas = None, None
+        else:
+            parts, deltas = self._compress(entries, layout, self._inputs(entries))
         buf = layout.encode(parts)
         codec_s = time.perf_counter() - t0
 

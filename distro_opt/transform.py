@@ -56,36 +56,58 @@ class DCTTransform:
             self._bases[key] = dct_matrix(n, like.dtype, like.device)
         return self._bases[key]
 
-    def _apply(self, y: torch.Tensor, chunk: tuple[int, ...], inverse: bool) -> torch.Tensor:
-        """Multiply every chunk axis (axes 1..d of ``y``) by D (forward) or D^T (inverse)."""
-        d = len(chunk)
-        for axis, c in enumerate(chunk, start=1):
+    def _apply(self, y: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...], inverse: bool):
+        """Multiply every chunk of every axis by D (forward) or D^T (inverse), in the tensor's own
+        layout: the last axis as one large GEMM, the others as a batched D @ (c, rest) product, so
+        no data moves between the per-axis products."""
+        for axis, c in enumerate(chunk):
             if c == 1:
                 continue
             basis = self._basis(c, y)
-            mat = basis if inverse else basis.T  # row-vector form: y @ D^T applies D
-            if axis == d:
-                y = y @ mat
+            rest = math.prod(shape[axis + 1 :])
+            if rest == 1:
+                y = y.reshape(-1, c) @ (basis if inverse else basis.T)
             else:
-                y = (y.movedim(axis, -1) @ mat).movedim(-1, axis)
-        return y
+                y = torch.matmul(basis.T if inverse else basis, y.reshape(-1, c, rest))
+        return y.reshape(shape)
+
+    @staticmethod
+    def _split(shape, chunk):
+        blocks = [n // c for n, c in zip(shape, chunk)]
+        return [s for pair in zip(blocks, chunk) for s in pair], len(shape)  # b1, c1, b2, c2, ...
 
     def encode(self, x: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
         """DCT of every chunk of ``x``: a (num_chunks, chunk_numel) coefficient matrix."""
         shape = tuple(x.shape) or (1,)
-        blocks = [n // c for n, c in zip(shape, chunk)]
-        d = len(shape)
-        split = [s for pair in zip(blocks, chunk) for s in pair]  # b1, c1, b2, c2, ...
-        y = x.reshape(split).permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2))
-        y = y.reshape(-1, *chunk)
-        return self._apply(y, chunk, inverse=False).reshape(y.shape[0], -1)
+        y = self._apply(x, shape, chunk, inverse=False)
+        split, d = self._split(shape, chunk)
+        y = y.reshape(split).permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2))
+        return y.reshape(-1, math.prod(chunk))
+
+    def _unchunk(self, y: torch.Tensor, full: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
+        """Chunk-major (num_chunks, c_1, ..., c_d) back to the tensor's own layout."""
+        split, d = self._split(full, chunk)
+        order = [i for pair in zip(range(d), range(d, 2 * d)) for i in pair]  # b1, c1, b2, c2, ...
+        return y.reshape(*split[0::2], *split[1::2]).permute(*order).reshape(full)
 
     def decode(self, coeffs: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
         """Inverse of ``encode``: coefficients (num_chunks, chunk_numel) back to a tensor of ``shape``."""
         full = tuple(shape) or (1,)
-        blocks = [n // c for n, c in zip(full, chunk)]
-        d = len(full)
-        y = self._apply(coeffs.reshape(-1, *chunk), chunk, inverse=True)
-        y = y.reshape(*blocks, *chunk)
-        order = [i for pair in zip(range(d), range(d, 2 * d)) for i in pair]  # b1, c1, b2, c2, ...
-        return y.permute(*order).reshape(shape)
+        return self._apply(self._unchunk(coeffs, full, chunk), full, chunk, inverse=True).reshape(shape)
+
+    def decode_sparse(self, idx: torch.Tensor, values: torch.Tensor, shape, chunk) -> torch.Tensor:
+        """``decode`` of coefficients given as (indices, values) per chunk, both (num_chunks, m);
+        repeated indices add up. With few coefficients per chunk (m < sum of the chunk's sides) the
+        chunks are summed from their m basis functions, cheaper than the dense inverse."""
+        full = tuple(shape) or (1,)
+        m = idx.shape[1]
+        if len(chunk) > 2 or m >= sum(chunk):
+            dense = torch.zeros(idx.shape[0], math.prod(chunk), dtype=values.dtype, device=values.device)
+            return self.decode(dense.scatter_add_(1, idx, values), shape, chunk)
+        last = self._basis(chunk[-1], values)[idx % chunk[-1]] * values.unsqueeze(-1)  # (B, m, c_last)
+        if len(chunk) == 1:
+            y = last.sum(1)
+        else:
+            first = self._basis(chunk[0], values)[idx // chunk[-1]]  # (B, m, c_first)
+            y = first.transpose(1, 2) @ last  # sum of m outer products per chunk
+        return self._unchunk(y, full, chunk).reshape(shape)

@@ -1,5 +1,6 @@
 """Overlap mode applies each update one step late; GradScaler never desynchronizes workers."""
-import pytest
+import warnings
+
 import torch
 
 from distro_opt import DeMo, DisTrOAdamW
@@ -69,20 +70,15 @@ def test_grad_scaler_step_with_inf_on_one_worker_completes_everywhere():
             scaler.scale(loss).backward()
             if backend.rank == 1 and t == 1:
                 model.weight.grad[0, 0] = float("inf")
-            with pytest.warns(UserWarning, match="GradScaler found inf") if (backend.rank, t) == (1, 1) else _no_op():
-                scaler.step(opt)
+            scaler.step(opt)
             scaler.update()
         return [p.detach().clone() for p in model.parameters()], scaler.get_scale(), backend.stats.steps
 
-    (p0, scale0, steps0), (p1, scale1, steps1) = InProcessBackend.run(2, worker, timeout_s=60)
+    with warnings.catch_warnings(record=True) as caught:  # process-wide: record around all threads
+        warnings.simplefilter("always")
+        (p0, scale0, steps0), (p1, scale1, steps1) = InProcessBackend.run(2, worker, timeout_s=60)
+    assert sum("GradScaler found inf" in str(w.message) for w in caught) == 1
     assert steps0 == steps1 == 3  # every worker took part in every collective
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(p0, p1))
     assert scale1 < scale0  # only the worker that saw inf backed off its scale
 
-
-class _no_op:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

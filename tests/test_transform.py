@@ -56,3 +56,15 @@ def test_transform_preserves_energy():
     coeffs = t.encode(x, t.chunk_shape(x.shape, 64))
     assert coeffs.shape == (4 * 3, 64 * 64)
     assert coeffs.pow(2).sum().item() == pytest.approx(x.pow(2).sum().item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("shape, m", [((128,), 5), ((96, 130), 9), ((96, 130), 200), ((8, 4, 6), 3)])
+def test_sparse_decode_equals_dense_decode_with_repeated_indices(shape, m):
+    t = DCTTransform()
+    chunk = t.chunk_shape(shape, 16)
+    numel = int(np.prod(chunk))
+    blocks = int(np.prod(shape)) // numel
+    idx = torch.randint(0, numel, (blocks, m))
+    values = torch.randn(blocks, m, dtype=torch.float64)
+    dense = torch.zeros(blocks, numel, dtype=torch.float64).scatter_add_(1, idx, values)
+    torch.testing.assert_close(t.decode_sparse(idx, values, shape, chunk), t.decode(dense, shape, chunk))
