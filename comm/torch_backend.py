@@ -1,0 +1,212 @@
+"""torch.distributed backend: real processes (Gloo on CPU, NCCL on GPU), launched with ``torchrun``.
+
+Wraps a process group the user already initialized (the default group, or a sub-group such as the
+"across nodes" dimension of a DeviceMesh). The step's payload goes out in ONE all-gather of a
+fixed-size uint8 buffer (``all_gather_single``, or ``all_gather_into_tensor`` on older torch).
+
+Framing. Each rank sends ``[8-byte length][payload]`` where every rank's payload slot has the size
+the group last agreed on. The length is the backend's own business (it never reads the payload):
+it lets every rank see, inside the same single collective, whether some rank's buffer changed
+size. Equal new sizes everywhere -> the group agrees on the new size and repeats the gather once;
+different sizes -> every rank raises the same ``ValueError``. The first call agrees on the size
+this way (its first gather carries the lengths only). The 8 bytes per rank and step are counted in
+``stats``: they leave the process like the payload. Why not let torch check sizes: it does not.
+Measured with Gloo, an all-gather of unequal buffers gave the rank with the larger buffer
+misaligned bytes and killed the other with a C++ ``terminate``.
+
+Timeouts. A process group's timeout is fixed by ``dist.init_process_group(timeout=...)``; a
+backend cannot change it. ``timeout_s`` bounds each wait of this backend on top of it
+(``Work.wait(timeout)``), so a hung peer makes the others fail after ``timeout_s`` (or sooner if
+the group's own timeout fires first). A peer that dies closes its sockets, and Gloo reports that
+at once. Either way the failed collective raises ``CollectiveError`` naming the rank, the
+collective and the likely cause; the group is unusable afterwards (restart from the last
+checkpoint). ``barrier()`` uses ``monitored_barrier`` on Gloo, which names the ranks that did not
+arrive.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce_op
+
+# int64 payload length in front of each rank's payload, in native byte order (all ranks of one
+# job share an architecture; a mixed-endian group would see absurd lengths and raise).
+HEADER_BYTES = 8
+
+
+class CollectiveError(RuntimeError):
+    """A torch.distributed collective did not complete (a peer died, hung, or diverged)."""
+
+
+def _all_gather_fn():
+    # all_gather_single is the newer name of all_gather_into_tensor (same contract).
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class TorchDistributedBackend(Backend):
+    """One rank of an initialized torch.distributed process group, seen as a ``Backend``.
+
+    ``group``: the process group (``None``: the default group). ``timeout_s``: bound on each wait
+    for a collective, in seconds (``None``: only the group's own timeout applies).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "TorchDistributedBackend needs an initialized process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment for it)"
+            )
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"Invalid timeout_s: {timeout_s!r} (expected a number > 0, or None)")
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("This process is not a member of the process group it was given")
+        self.group = group
+        self.timeout_s = timeout_s
+        self._rank = rank
+        self._world_size = dist.get_world_size(group)
+        self._backend_name = str(dist.get_backend(group)).lower()
+        self.stats = CommStats()
+        self._capacity = 0  # payload bytes per rank the whole group agreed on; 0 until the first call
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def device_for(self, tensor: torch.Tensor) -> torch.device:
+        """Where a collective on ``tensor`` runs: NCCL needs CUDA memory, Gloo uses CPU memory."""
+        has_nccl = "nccl" in self._backend_name
+        if tensor.is_cuda and has_nccl:
+            return tensor.device
+        if has_nccl and "gloo" not in self._backend_name:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # -- all-gather ----------------------------------------------------------------------------
+
+    def all_gather(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        return self.start_all_gather(buf).wait()
+
+    def start_all_gather(self, buf: torch.Tensor) -> PendingGather:
+        """Launch the all-gather (``async_op=True``); ``wait()`` checks lengths and returns the buffers."""
+        check_buffer(buf)
+        device = self.device_for(buf)
+        capacity = self._capacity
+        frame = self._frame(buf, capacity, device)
+        out, work = self._launch(frame)
+        if buf.numel() != capacity:  # its bytes go out in wait(): keep them safe from the caller
+            buf = buf.clone()
+        return PendingGather(lambda: self._finish(buf, device, capacity, out, work))
+
+    def _frame(self, buf: torch.Tensor, capacity: int, device: torch.device) -> torch.Tensor:
+        frame = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8, device=device)
+        frame[:HEADER_BYTES].copy_(torch.tensor([buf.numel()], dtype=torch.int64).view(torch.uint8))
+        if buf.numel() == capacity:
+            frame[HEADER_BYTES:].copy_(buf)
+        else:  # a size announcement: the slot is not read, but never send uninitialized memory
+            frame[HEADER_BYTES:].zero_()
+        return frame
+
+    def _launch(self, frame: torch.Tensor):
+        out = torch.empty(self._world_size * frame.numel(), dtype=torch.uint8, device=frame.device)
+        try:
+            work = _all_gather_fn()(out, frame, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise self._error("all_gather", exc) from exc
+        return out, work
+
+    def _finish(self, buf, device, capacity, out, work) -> list[torch.Tensor]:
+        self._wait(work, "all_gather")
+        nbytes = CommStats.all_gather_bytes(HEADER_BYTES + capacity, self._world_size)
+        lengths = self._lengths(out, capacity)
+        if any(n != capacity for n in lengths):
+            if len(set(lengths)) > 1:
+                self.stats.record(nbytes, nbytes)
+                raise ValueError(
+                    "all_gather buffers differ in size across ranks: "
+                    + ", ".join(f"rank {r}: {n} bytes" for r, n in enumerate(lengths))
+                    + f" (seen by rank {self._rank}). Every rank must send the same number of bytes; "
+                    "do all ranks hold the same model and optimizer settings?"
+                )
+            # Every rank announced the same new size: agree on it and send the payloads now.
+            capacity = self._capacity = lengths[0]
+            frame = self._frame(buf, capacity, device)
+            out, work = self._launch(frame)
+            self._wait(work, "all_gather")
+            nbytes += CommStats.all_gather_bytes(frame.numel(), self._world_size)
+        self.stats.record(nbytes, nbytes)
+        if out.device != buf.device:
+            out = out.to(buf.device)
+        rows = out.view(self._world_size, HEADER_BYTES + capacity)[:, HEADER_BYTES:]
+        return list(rows.unbind(0))
+
+    def _lengths(self, out: torch.Tensor, capacity: int) -> list[int]:
+        headers = out.view(self._world_size, HEADER_BYTES + capacity)[:, :HEADER_BYTES]
+        # A fresh aligned copy: an int64 view needs 8-byte aligned rows, the payloads are any size.
+        aligned = torch.empty(headers.shape, dtype=torch.uint8).copy_(headers)
+        return aligned.view(torch.int64).flatten().tolist()
+
+    # -- all-reduce, barrier -------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce in place (sum, then divide for the mean: every backend supports SUM)."""
+        check_reduce_op(op)
+        device = self.device_for(tensor)
+        work_tensor = tensor if tensor.device == device else tensor.to(device)
+        try:
+            work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        except RuntimeError as exc:
+            raise self._error("all_reduce", exc) from exc
+        self._wait(work, "all_reduce")
+        if op == "mean":
+            work_tensor.div_(self._world_size)
+        if work_tensor is not tensor:
+            tensor.copy_(work_tensor)
+        nbytes = CommStats.ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), self._world_size)
+        self.stats.record(nbytes, nbytes)
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait for every rank, bounded by ``timeout_s``; on Gloo the error names the missing ranks."""
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        try:
+            if "gloo" in self._backend_name:
+                dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+            else:
+                self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
+        except RuntimeError as exc:
+            raise self._error("barrier", exc) from exc
+
+    def close(self) -> None:
+        """Nothing to release: the process group belongs to the caller (``destroy_process_group``)."""
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            if self.timeout_s is None:
+                done = work.wait()
+            else:
+                done = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise self._error(what, exc) from exc
+        if done is False:
+            raise self._error(what, RuntimeError("wait() reported the collective as not completed"))
+
+    def _error(self, what: str, exc: BaseException) -> CollectiveError:
+        if isinstance(exc, CollectiveError):
+            return exc
+        bound = f"timeout_s={self.timeout_s:g}" if self.timeout_s is not None else "the group's timeout"
+        return CollectiveError(
+            f"rank {self._rank} of {self._world_size}: {what} did not complete ({exc}). A peer rank "
+            f"probably died, hung for longer than {bound}, or called a different collective. The "
+            "process group cannot be used any more (destroy_process_group may block too): exit and "
+            "restart the job from the last checkpoint."
+        )

@@ -1,0 +1,185 @@
+"""One rank of a multi-process test: ``python tests/_dist_worker.py OUTDIR JOBS``.
+
+JOBS is a JSON list of ``[name, scenario, args]``, run in order in one process group.
+
+The launcher (tests/test_torch_backend.py) sets RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and
+MASTER_PORT. Each scenario returns a dict; they are saved to OUTDIR/rank{RANK}.pt for the test to
+check, as ``{name: result}``; an unexpected exception is saved there too (``error_type``, ``error``)
+and exits with 3.
+Run by path, so the repository root is not on sys.path (``comm`` must not be importable top-level).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from distro_opt.comm import resolve_backend
+from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
+
+GROUP_TIMEOUT_S = 60
+
+
+def pattern(nbytes: int, rank: int, call: int) -> torch.Tensor:
+    """A buffer whose bytes tell who sent it and in which call."""
+    return ((torch.arange(nbytes) * (rank + 3) + call * 7 + rank) % 256).to(torch.uint8)
+
+
+def outcome(fn) -> dict:
+    try:
+        return {"ok": fn()}
+    except (ValueError, CollectiveError) as exc:
+        return {"error_type": type(exc).__name__, "error": str(exc),
+                "is_value_error": isinstance(exc, ValueError)}
+
+
+def scenario_raw(rank, world_size, args):
+    backend = TorchDistributedBackend()
+    res = {"rank": backend.rank, "world_size": backend.world_size}
+    res["gather"] = [b.tolist() for b in backend.all_gather(pattern(5, rank, 0))]
+    first = backend.start_all_gather(pattern(5, rank, 1))
+    second = backend.start_all_gather(pattern(5, rank, 2))  # two in flight at once
+    res["async"] = [[b.tolist() for b in p.wait()] for p in (first, second)]
+    res["mean"] = backend.all_reduce(torch.tensor([float(rank + 1), 2.0 * rank]), "mean").tolist()
+    res["sum"] = backend.all_reduce(torch.tensor([float(rank + 1)]), "sum").tolist()
+    res["bytes_sent"], res["steps"] = backend.stats.bytes_sent, backend.stats.steps
+    resolved = [resolve_backend(), resolve_backend(process_group=dist.group.WORLD)]
+    res["resolved"] = [type(b).__name__ for b in resolved]
+    # A sub-group of ranks 0 and 1 (every rank must call new_group, members or not).
+    sub = dist.new_group([0, 1])
+    if rank < 2:
+        sub_backend = TorchDistributedBackend(group=sub)
+        res["sub"] = [b.tolist() for b in sub_backend.all_gather(pattern(3, rank, 9))]
+    else:
+        res["sub"] = outcome(lambda: TorchDistributedBackend(group=sub))
+    return res
+
+
+def scenario_sizes(rank, world_size, args):
+    """Buffer sizes that differ (first call, later call) or change together (agreed resize)."""
+    backend = TorchDistributedBackend(timeout_s=20)
+    sizes = [10 + rank, 16, 17 if rank == 1 else 16, 20, 20]
+    calls = [outcome(lambda: [b.tolist() for b in backend.all_gather(pattern(n, rank, i))])
+             for i, n in enumerate(sizes)]
+    return {"sizes": sizes, "calls": calls, "bytes_sent": backend.stats.bytes_sent}
+
+
+def read_wchar() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar")).split()[1])
+
+
+def scenario_wchar(rank, world_size, args):
+    nbytes, calls = int(args[0]), int(args[1])
+    backend = TorchDistributedBackend(timeout_s=30)
+    buf = pattern(nbytes, rank, 0)
+    backend.all_gather(buf)  # the size agreement happens here, outside the measurement
+    sent0, w0 = backend.stats.bytes_sent, read_wchar()
+    for _ in range(calls):
+        backend.all_gather(buf)
+    wchar, sent = read_wchar() - w0, backend.stats.bytes_sent - sent0
+    # The same measurement with no collective: what the process writes on its own (noise floor).
+    w1 = read_wchar()
+    time.sleep(0.2)
+    return {"wchar": wchar, "bytes_sent": sent, "idle_wchar": read_wchar() - w1}
+
+
+def scenario_dead_peer(rank, world_size, args):
+    """Rank 1 is killed (SIGKILL) or hangs after two all-gathers; rank 0 times its failure in the
+    collective named by args[2] (``gather`` or ``barrier``)."""
+    backend = TorchDistributedBackend(timeout_s=float(args[0]))
+    for i in range(2):
+        backend.all_gather(pattern(64, rank, i))
+    if rank == 1:
+        if args[1] == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        parent, give_up = os.getppid(), time.monotonic() + 120
+        while os.getppid() == parent and time.monotonic() < give_up:  # hung until the launcher kills
+            time.sleep(0.2)  # it; never outlives a launcher that died itself
+        os._exit(4)
+    collective = {"gather": lambda: len(backend.all_gather(pattern(64, rank, 2))), "barrier": backend.barrier}
+    t0 = time.monotonic()
+    res = outcome(collective[args[2]])
+    res["elapsed_s"] = time.monotonic() - t0
+    return res
+
+
+def scenario_train(rank, world_size, args):
+    """Train with DisTrOAdamW over Gloo; the test compares with the in-process simulation."""
+    from distro_opt.experiments.train_ddp import TrainConfig, train
+
+    return train(TrainConfig.from_args(args), TorchDistributedBackend(timeout_s=30))
+
+
+def scenario_mismatch(rank, world_size, args):
+    """Rank 1's model differs: first in payload size (hidden 32), then only in layout (hidden 60)."""
+    from distro_opt.experiments.train_ddp import TrainConfig, train
+
+    calls = {}
+    for name, hidden in (("size", 32), ("layout", 60)):
+        cfg = TrainConfig(steps=1, hidden=hidden if rank == 1 else 64, log=False)
+        calls[name] = outcome(lambda: train(cfg, TorchDistributedBackend(timeout_s=20))["losses"])
+    return calls
+
+
+def scenario_cuda_raw(rank, world_size, args):
+    """The NCCL path: CUDA buffers in, CUDA buffers out, same bytes and accounting."""
+    backend = TorchDistributedBackend(timeout_s=60)
+    device = torch.device("cuda", torch.cuda.current_device())
+    gathered = backend.all_gather(pattern(5, rank, 0).to(device))
+    pending = backend.start_all_gather(pattern(7, rank, 1).to(device))
+    reduced = backend.all_reduce(torch.full((3,), float(rank + 1), device=device), "mean")
+    return {
+        "devices": sorted({b.device.type for b in gathered}),
+        "gather": [b.tolist() for b in gathered],
+        "async": [b.tolist() for b in pending.wait()],
+        "mean": reduced.tolist(),
+    }
+
+
+SCENARIOS = {
+    "cuda_raw": scenario_cuda_raw,
+    "mismatch": scenario_mismatch,
+    "raw": scenario_raw,
+    "sizes": scenario_sizes,
+    "wchar": scenario_wchar,
+    "dead_peer": scenario_dead_peer,
+    "train": scenario_train,
+}
+
+
+def main() -> None:
+    outdir, jobs = sys.argv[1], json.loads(sys.argv[2])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    backend = os.environ.get("TEST_DIST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    )
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    results = {}
+    for name, scenario, args in jobs:  # one process group serves several jobs: fewer slow launches
+        try:
+            results[name] = SCENARIOS[scenario](rank, world_size, [str(a) for a in args])
+        except Exception as exc:  # saved for the test to show; the group may be broken: exit at once
+            results[name] = {"error_type": type(exc).__name__, "error": str(exc)}
+            torch.save(results, path)
+            print(f"rank {rank}, job {name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            os._exit(3)
+        if results[name].get("error_type") == "CollectiveError":
+            torch.save(results, path)
+            os._exit(0)  # the group is broken: destroy_process_group could wait forever on the dead peer
+    torch.save(results, path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
