@@ -1,0 +1,104 @@
+"""The loss-vs-traffic frontier across runs: gap to AdamW (y) against compression vs bf16 (x, log).
+
+Reads the ``summary.json`` and ``config.json`` of one or more run directories written by
+``python -m experiments.run`` and writes ``frontier.md`` (a table) and ``frontier.png`` into
+``--out``. Each arm is one point: its mean final validation-loss gap to the run's AdamW arm (paired
+per seed) against what one worker sends per step relative to a dense bf16 gradient. Arms are
+grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo.
+
+    python -m experiments.frontier runs/sweep-a runs/sweep-b --out runs/frontier
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def mode_of(arm: dict) -> str:
+    if arm["kind"] != "distro":
+        return arm["kind"]
+    return "distro local steps" if int(arm["options"].get("sync_every", 1)) > 1 else "distro per step"
+
+
+def load_points(run_dir: Path) -> list[dict]:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{run_dir} is not a finished run directory ({exc})") from None
+    preset = config["preset"]
+    tokens_per_worker_step = preset["batch_size"] * preset["seq_len"]
+    arms = {a["label"]: a for a in config["arms"]}
+    points = []
+    for label, result in summary["arms"].items():
+        points.append(dict(
+            run=run_dir.name, arm=label, mode=mode_of(arms[label]), seeds=len(result["seeds"]),
+            steps=preset["steps"], tokens_per_worker_step=tokens_per_worker_step,
+            val_loss=result["final_val_loss_mean"], gap_pct=result["gap_vs_adamw_pct_mean"],
+            gap_per_seed=result["gap_vs_adamw_pct_per_seed"], compression=result["compression_vs_dense_bf16"],
+        ))
+    return points
+
+
+def _ratio(x: float) -> str:
+    return f"{x:,.0f}x" if x >= 10 else f"{x:.2g}x"
+
+
+def table(points: list[dict]) -> str:
+    lines = ["| run | arm | mode | tokens/worker-step | steps | seeds | val loss | gap vs AdamW (per seed) | vs dense bf16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: (p["run"], p["mode"], -p["compression"])):
+        per_seed = ", ".join(f"{g:+.1f}%" for g in p["gap_per_seed"])
+        lines.append(f"| {p['run']} | `{p['arm']}` | {p['mode']} | {p['tokens_per_worker_step']} | {p['steps']} | "
+                     f"{p['seeds']} | {p['val_loss']:.3f} | {p['gap_pct']:+.1f}% ({per_seed}) | {_ratio(p['compression'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in sorted({p["mode"] for p in points} - {"adamw"}):
+        pts = [p for p in points if p["mode"] == mode]
+        ax.scatter([p["compression"] for p in pts], [p["gap_pct"] for p in pts], label=mode)
+        for p in pts:
+            ax.annotate(p["arm"], (p["compression"], p["gap_pct"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8, label="1% gap target")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent per worker per step: dense bf16 gradient / arm (x, log)")
+    ax.set_ylabel("final val loss gap vs AdamW (%)")
+    ax.set_title("Loss vs traffic frontier")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.frontier", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories of experiments.run")
+    parser.add_argument("--out", type=Path, required=True, help="folder for frontier.md and frontier.png")
+    parser.add_argument("--force", action="store_true", help="replace an existing frontier.md/.png in --out")
+    args = parser.parse_args(argv)
+    if not args.force and any((args.out / f).exists() for f in ("frontier.md", "frontier.png")):
+        print(f"error: {args.out} already holds a frontier; pass --force to replace it", file=sys.stderr)
+        return 2
+    try:
+        points = [p for run in args.runs for p in load_points(run)]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "frontier.md").write_text(table(points))
+    plot(points, args.out / "frontier.png")
+    print(table(points))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
