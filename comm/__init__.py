@@ -21,7 +21,24 @@ __all__ = [
     "InProcessBackend",
     "InProcessGroupError",
     "resolve_backend",
+    "TorchDistributedBackend",
+    "HivemindBackend",
+    "HivemindBackendError",
 ]
+
+_LAZY = {  # optional transports: imported on first use, so hivemind stays an optional dependency
+    "TorchDistributedBackend": "torch_backend",
+    "HivemindBackend": "hivemind_backend",
+    "HivemindBackendError": "hivemind_backend",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_backend(comm=None, process_group=None) -> Backend:

@@ -85,6 +85,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         return self._layouts[key]
 
     @property
+    def payload_layout(self) -> PayloadLayout:
+        """The wire layout of this worker's payload; ``payload_layout.decode(buf)`` validates one."""
+        return self._layout(self._entries())
+
+    @property
     def payload_nbytes(self) -> int:
         """Bytes this worker sends per collective (the buffer's size), known before any step."""
         return self._layout(self._entries()).nbytes

@@ -1,0 +1,269 @@
+"""HivemindBackend with raw buffers: peers in one process, each with its own DHT, all on 127.0.0.1."""
+
+import asyncio
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+hivemind = pytest.importorskip("hivemind")
+
+from hivemind.p2p import PeerID  # noqa: E402
+
+from distro_opt.comm import hivemind_wire as wire  # noqa: E402
+from distro_opt.comm.hivemind_backend import HivemindBackend  # noqa: E402
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+STEP_TIMEOUT_S = 2.0
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    maddrs = [str(m) for m in first.get_visible_maddrs()]
+    assert all(m.startswith("/ip4/127.0.0.1/") for m in maddrs)
+    others = [hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=maddrs) for _ in range(2)]
+    yield [first, *others]
+    for dht in [first, *others]:
+        dht.shutdown()
+
+
+@contextmanager
+def group(dhts, n=3, options=None, wait=True):
+    """``n`` backends of a fresh run on the shared DHTs; ``options[i]`` are extra kwargs of backend i."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    backends = []
+    try:
+        for i in range(n):
+            kwargs = dict(step_timeout_s=STEP_TIMEOUT_S, heartbeat_s=0.3, ttl_s=1.5, exclude_s=30.0)
+            kwargs.update((options or {}).get(i, {}))
+            backends.append(HivemindBackend(run_id, dht=dhts[i], **kwargs))
+        if wait:
+            wait_all(backends, n - 1)
+        yield backends
+    finally:
+        for b in backends:
+            b.close()
+
+
+def wait_all(backends, n):
+    """Every backend announces itself and waits for ``n`` others (in parallel, as separate peers would)."""
+    counts = [None] * len(backends)
+
+    def run(i):
+        counts[i] = backends[i].wait_for_peers(n, 10)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(backends))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert counts == [n] * len(backends)
+
+
+def gather(pairs, timeout_s=3 * STEP_TIMEOUT_S + 5):
+    """Run ``backend.all_gather(buf)`` for each (backend, buf) on its own thread; return results and times."""
+    results, times = [None] * len(pairs), [None] * len(pairs)
+
+    def run(i, backend, buf):
+        t0 = time.monotonic()
+        results[i] = backend.all_gather(buf)
+        times[i] = time.monotonic() - t0
+
+    threads = [
+        threading.Thread(target=run, args=(i, b, buf), daemon=True) for i, (b, buf) in enumerate(pairs)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert all(r is not None for r in results), "a gather did not return"
+    return results, times
+
+
+def filled(value, n=1000):
+    return torch.full((n,), value, dtype=torch.uint8)
+
+
+def firsts(bufs):
+    return [int(b[0]) for b in bufs]
+
+
+def test_all_gather_returns_every_peers_buffer_sorted_by_peer_id(dhts):
+    with group(dhts) as bs:
+        results, _ = gather([(b, filled(10 + i)) for i, b in enumerate(bs)])
+        order = sorted(range(3), key=lambda i: bs[i].peer_id)
+        assert [firsts(r) for r in results] == [[10 + i for i in order]] * 3
+        assert [b.world_size for b in bs] == [3, 3, 3]
+
+
+def test_bytes_counted_are_the_bytes_that_crossed_the_streams(dhts):
+    with group(dhts, n=2) as (a, b):
+        gather([(a, filled(1)), (b, filled(2))])
+        vote = wire.encode_vote(
+            0, [wire.digest(a.peer_id, bytes(filled(1))), wire.digest(b.peer_id, bytes(filled(2)))]
+        )
+        # our stream to b: hello, payload frame, vote; b's stream to us: the 1-byte status we answer
+        expected = wire.HELLO.size + wire.U64.size + 1000 + wire.U32.size + len(vote) + 1
+        assert a.stats.bytes_sent == b.stats.bytes_received == expected
+        assert b.stats.bytes_sent == a.stats.bytes_received == expected
+        assert a.stats.steps == b.stats.steps == 1
+
+
+def test_client_mode_peer_exchanges_payloads_without_accepting_streams(dhts):
+    with group(dhts, options={2: {"client_mode": True}}) as bs:
+        results, _ = gather([(b, filled(10 + i)) for i, b in enumerate(bs)])
+        assert [sorted(firsts(r)) for r in results] == [[10, 11, 12]] * 3
+
+
+def test_peer_that_misses_the_deadline_is_left_out_and_the_step_stays_bounded(dhts):
+    with group(dhts) as (a, b, c):
+        results, times = gather([(a, filled(1)), (b, filled(2))])
+        assert [sorted(firsts(r)) for r in results] == [[1, 2], [1, 2]]
+        assert max(times) < STEP_TIMEOUT_S + 0.5
+        assert a.world_size == 2
+
+
+def test_late_peer_applies_the_set_the_others_applied(dhts):
+    with group(dhts) as (a, b, c):
+        gather([(a, filled(1)), (b, filled(2))])
+        (late,), _ = gather([(c, filled(3))])
+        assert sorted(firsts(late)) == [1, 2]  # its own payload came too late for step 0
+        assert c.step == 1 and not c.out_of_sync
+
+
+def raw_gather_stream(sender, receiver):
+    """A gather stream opened by hand from ``sender``'s p2p client to ``receiver`` (for misbehaving)."""
+    return sender._p2p.call_binary_stream_handler(
+        PeerID.from_base58(receiver.peer_id), f"distro/{receiver.run_id}/gather"
+    )
+
+
+def test_wrong_size_payload_is_refused_and_its_sender_excluded(dhts):
+    with group(dhts, n=2) as (a, b):
+        outcome = {}
+
+        async def announce_wrong_size():
+            _, reader, writer = await raw_gather_stream(b, a)
+            writer.write(wire.HELLO.pack(wire.GATHER_MAGIC, wire.VERSION, 0, 0, 999))
+            outcome["status"] = (await reader.readexactly(1))[0]
+            writer.close()
+
+        thread = threading.Thread(
+            target=lambda: outcome.update(result=gather([(a, filled(1))])[0][0]), daemon=True
+        )
+        thread.start()
+        b._call(announce_wrong_size(), 10)
+        thread.join(3 * STEP_TIMEOUT_S)
+        assert outcome["status"] == wire.BAD_SIZE
+        assert b.peer_id in a._excluded
+        assert firsts(outcome["result"]) == [1]
+
+
+def test_peers_with_different_payload_sizes_never_mix(dhts):
+    with group(dhts) as bs:
+        results, _ = gather([(bs[0], filled(1)), (bs[1], filled(2)), (bs[2], filled(3, n=999))])
+        assert [sorted(firsts(r)) for r in results[:2]] == [[1, 2], [1, 2]]
+
+
+def test_oversized_frame_is_refused_without_being_read(dhts):
+    with group(dhts, n=2) as (a, b):
+        outcome = {}
+
+        async def flood():
+            _, reader, writer = await raw_gather_stream(b, a)
+            writer.write(wire.HELLO.pack(wire.GATHER_MAGIC, wire.VERSION, 0, 0, 1000))
+            outcome["status"] = (await reader.readexactly(1))[0]
+            writer.write(wire.U64.pack(1 << 30))
+            try:
+                for _ in range(256):  # up to 16 MiB
+                    writer.write(bytes(1 << 16))
+                    await asyncio.wait_for(writer.drain(), 5)
+                outcome["end"] = "accepted"
+            except Exception as exc:  # noqa: BLE001
+                outcome["end"] = type(exc).__name__
+            writer.close()
+
+        thread = threading.Thread(target=lambda: gather([(a, filled(1))]), daemon=True)
+        thread.start()
+        b._call(flood(), 30)
+        thread.join(3 * STEP_TIMEOUT_S)
+        assert outcome["status"] == wire.OK
+        assert outcome["end"] != "accepted"
+        assert b.peer_id in a._excluded
+        assert a.stats.bytes_received < 1 << 16
+
+
+def test_report_invalid_excludes_the_sender_from_the_next_steps(dhts):
+    with group(dhts, n=2) as (a, b):
+        gather([(a, filled(1)), (b, filled(2))])
+        a.report_invalid(a.last_contributors.index(b.peer_id))
+        results, _ = gather([(a, filled(1)), (b, filled(2))])
+        assert firsts(results[0]) == [1]
+
+
+def test_payload_validator_drops_an_invalid_payload_before_the_vote(dhts):
+    with group(dhts) as bs:
+        for b in bs:
+            b.payload_validator = lambda buf: int(buf[0]) != 66
+        results, _ = gather([(bs[0], filled(1)), (bs[1], filled(2)), (bs[2], filled(66))])
+        assert [sorted(firsts(r)) for r in results[:2]] == [[1, 2], [1, 2]]
+
+
+def test_allow_list_leaves_out_peers_not_on_it(dhts):
+    with group(dhts, wait=False) as bs:
+        allowed = [bs[0].peer_id, bs[1].peer_id]
+        for b in bs[:2]:
+            b.allow_peers = set(allowed)
+        wait_all(bs, 2)
+        results, _ = gather([(b, filled(10 + i)) for i, b in enumerate(bs)])
+        assert [sorted(firsts(r)) for r in results[:2]] == [[10, 11], [10, 11]]
+
+
+def test_joining_peer_downloads_state_and_step_number(dhts):
+    with group(dhts, n=2) as (a, b):
+        weights = {"w": torch.randn(3, 4), "step": torch.tensor(7)}
+        a.state_provider = lambda: {"model": weights, "note": "hello"}
+        gather([(a, filled(1)), (b, filled(2))])
+        state = b.load_state_from_peers(prefer=[a.peer_id])
+        assert torch.equal(state["model"]["w"], weights["w"]) and state["note"] == "hello"
+        assert b.step == a.step == 1
+
+
+def test_checksum_minority_learns_the_majority_peers(dhts):
+    with group(dhts) as (a, b, c):
+        for peer, value in ((a, "good"), (b, "good"), (c, "bad")):
+            peer.publish_checksum(5, value)
+        assert a.compare_checksum(5, "good") is None
+        assert c.compare_checksum(5, "bad") == sorted([a.peer_id, b.peer_id])
+
+
+def test_clean_leave_is_seen_by_the_others_at_once(dhts):
+    with group(dhts, n=2) as (a, b):
+        b.membership.leave()
+        a.membership.refresh()
+        assert b.peer_id not in a.membership.view()
+
+
+def test_overlapped_gathers_finish_as_separate_steps(dhts):
+    with group(dhts, n=2) as (a, b):
+
+        def two_in_flight(backend, first, second):
+            pending = [backend.start_all_gather(filled(first)), backend.start_all_gather(filled(second))]
+            return [sorted(firsts(p.wait())) for p in pending]
+
+        results = [None, None]
+        threads = [
+            threading.Thread(target=lambda i=i, x=x: results.__setitem__(i, two_in_flight(x, 10 + i, 20 + i)))
+            for i, x in enumerate((a, b))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(3 * STEP_TIMEOUT_S + 5)
+        assert results == [[[10, 11], [20, 21]]] * 2
+        assert a.step == b.step == 2

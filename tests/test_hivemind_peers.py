@@ -1,0 +1,163 @@
+"""Peer programs (``python -m distro_opt.experiments.peer``) as separate processes on 127.0.0.1.
+
+Churn: three peers start a run; one is SIGKILLed at step 10; a fourth joins late by downloading
+state, then trains in lockstep; one has its parameters nudged at step 21, so the replica checksum
+guard must catch it and reload the majority's state. Rogue: two honest peers and one that sends garbage every step.
+Each scenario runs once (module fixture); the tests below check one behaviour each.
+"""
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("hivemind")
+
+
+def _load_helper(name: str):
+    # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+Cluster = _load_helper("_hm_cluster").Cluster
+
+STEP_TIMEOUT_S = 4.0
+COMMON = [
+    "--step-timeout-s",
+    str(STEP_TIMEOUT_S),
+    "--heartbeat-s",
+    "0.5",
+    "--ttl-s",
+    "2",
+    "--checksum-every",
+    "5",
+    "--linger-s",
+    "3",
+    "--wait-peers-s",
+    "60",
+]
+CHURN_STEPS, KILL_AT, JOIN_AFTER, PERTURB_AT = 40, 10, 15, 21
+ROGUE_STEPS = 25
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def summaries(workdir, names):
+    return {n: json.loads((workdir / f"{n}.json").read_text()) for n in names}
+
+
+@pytest.fixture(scope="module")
+def churn(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("churn")
+    common = COMMON + ["--steps", str(CHURN_STEPS), "--step-delay-s", "0.3", "--min-peers", "3"]
+    with Cluster(workdir, "churn", common) as cluster:
+        a = cluster.start("a", "--shard", "0", "--maddrs-file", "a.addr", "--out", "a.json")
+        maddrs = cluster.read_maddrs("a.addr", 90)
+        b = cluster.start("b", "--shard", "1", "--out", "b.json", initial_peers=maddrs)
+        c = cluster.start(
+            "c", "--shard", "2", "--out", "c.json", "--perturb-at-step", str(PERTURB_AT), initial_peers=maddrs
+        )
+        d = cluster.start(
+            "d",
+            "--shard",
+            "3",
+            "--join",
+            "--join-after-step",
+            str(JOIN_AFTER),
+            "--out",
+            "d.json",
+            initial_peers=maddrs,
+        )
+        b.wait_for(rf"^step {KILL_AT} ", 120)
+        b.kill()
+        codes = {p.name: p.wait_exit(150) for p in (a, c, d)}
+        assert codes == {"a": 0, "c": 0, "d": 0}, "\n".join(p.output() for p in (a, c, d))
+        yield {"peers": {p.name: p for p in (a, c, d)}, "summary": summaries(workdir, "acd")}
+
+
+@pytest.fixture(scope="module")
+def rogue(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("rogue")
+    common = COMMON + [
+        "--steps",
+        str(ROGUE_STEPS),
+        "--step-delay-s",
+        "0.3",
+        "--min-peers",
+        "3",
+        "--exclude-s",
+        "1",
+    ]
+    script = str(Path(__file__).with_name("_hm_rogue.py"))
+    with Cluster(workdir, "rogue", common) as cluster:
+        a = cluster.start("a", "--shard", "0", "--maddrs-file", "a.addr", "--out", "a.json")
+        maddrs = cluster.read_maddrs("a.addr", 90)
+        b = cluster.start("b", "--shard", "1", "--out", "b.json", initial_peers=maddrs)
+        r = cluster.start("r", "--shard", "2", initial_peers=maddrs, script=script)
+        codes = {p.name: p.wait_exit(150) for p in (a, b)}
+        assert codes == {"a": 0, "b": 0}, "\n".join(p.output() for p in (a, b, r))
+        r.wait_exit(60)
+        yield {"peers": {"a": a, "b": b, "r": r}, "summary": summaries(workdir, "ab")}
+
+
+def test_surviving_and_joined_peers_end_with_identical_parameters(churn):
+    s = churn["summary"]
+    assert {v["final_step"] for v in s.values()} == {CHURN_STEPS}
+    assert len({v["checksum"] for v in s.values()}) == 1, {k: v["checksum"] for k, v in s.items()}
+
+
+def test_joined_peer_started_late_from_downloaded_state_and_trained_in_lockstep(churn):
+    d = churn["summary"]["d"]
+    assert d["first_step"] >= JOIN_AFTER
+    assert [x["step"] for x in d["steps"]] == list(range(d["first_step"], CHURN_STEPS))
+    assert statistics.median(x["peers"] for x in d["steps"]) == 3  # a, c and d itself
+
+
+def test_killed_peer_drops_out_of_the_step_after_its_crash(churn):
+    steps = {x["step"]: x["peers"] for x in churn["summary"]["a"]["steps"]}
+    assert steps[KILL_AT - 2] == 3
+    assert steps[KILL_AT + 3] == 2
+
+
+def test_peer_whose_replica_diverged_reloaded_state_from_the_majority(churn):
+    assert churn["summary"]["c"]["resyncs"] >= 1
+    assert "replica differs from the majority" in churn["peers"]["c"].output(last=None)
+    assert churn["summary"]["a"]["resyncs"] == 0
+
+
+def test_no_step_waited_longer_than_its_deadline(churn):
+    waits = [x["gather_s"] for v in churn["summary"].values() for x in v["steps"]]
+    assert max(waits) <= STEP_TIMEOUT_S + 0.5
+
+
+def test_loss_went_down_on_every_surviving_peer(churn):
+    for name in "ac":
+        losses = [x["loss"] for x in churn["summary"][name]["steps"]]
+        assert statistics.mean(losses[-5:]) < 0.5 * statistics.mean(losses[:5]), name
+
+
+def test_honest_peers_keep_training_next_to_a_rogue(rogue):
+    s = rogue["summary"]
+    assert {v["final_step"] for v in s.values()} == {ROGUE_STEPS}
+    losses = [x["loss"] for x in s["a"]["steps"]]
+    assert statistics.mean(losses[-5:]) < statistics.mean(losses[:5])
+
+
+def test_honest_parameters_stay_finite_and_identical_next_to_a_rogue(rogue):
+    s = rogue["summary"]
+    assert all(v["finite"] for v in s.values())
+    assert s["a"]["checksum"] == s["b"]["checksum"]
+
+
+def test_rogue_garbage_was_refused_and_its_sender_excluded(rogue):
+    out = "\n".join(rogue["peers"][n].output(last=None) for n in "ab")
+    rogue_id = rogue["peers"]["r"].wait_for(r"^rogue (\S+)", 5)[1]
+    assert f"excluding peer {rogue_id}" in out
+    kinds = ("announced a payload of", "failed the payload validator")
+    assert all(k in out for k in kinds), out

@@ -1,0 +1,125 @@
+"""The contributor-agreement rule and the safe state format of the hivemind backend (no network)."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("hivemind")
+
+from distro_opt.comm import hivemind_wire as wire  # noqa: E402
+from distro_opt.comm.hivemind_membership import majority  # noqa: E402
+from distro_opt.comm.hivemind_state import StateFormatError, dump_state, load_state  # noqa: E402
+
+
+def votes_seen_by(me, held):
+    """The votes ``me`` receives: those of the peers whose payload it holds (their digest sets)."""
+    return {q: set(held[q].values()) for q in held if q != me and q in held[me]}
+
+
+def test_agree_keeps_payloads_every_voter_holds():
+    held = {"a": "1", "b": "2", "c": "3"}
+    votes = {"b": {"1", "2", "3"}, "c": {"1", "2"}}
+    assert wire.agree(held, votes) == ["a", "b"]
+
+
+def test_agree_is_the_same_on_every_peer_when_all_votes_arrive():
+    held = {"a": {"a": "1", "b": "2"}, "b": {"a": "1", "b": "2"}, "c": {"a": "1", "b": "2", "c": "3"}}
+    results = {me: wire.agree(held[me], votes_seen_by(me, held)) for me in held}
+    assert results == {"a": ["a", "b"], "b": ["a", "b"], "c": ["a", "b"]}
+
+
+def test_partially_connected_peers_adopt_the_best_informed_voters_set():
+    # a never received c's payload and c never received a's; only b holds all three
+    held = {"a": {"a": "1", "b": "2"}, "b": {"a": "1", "b": "2", "c": "3"}, "c": {"b": "2", "c": "3"}}
+    votes = {me: votes_seen_by(me, held) for me in held}
+    own = {me: wire.agree(held[me], votes[me]) for me in held}
+    informed = {me: wire.better_informed(held[me], votes[me]) for me in held}
+    assert informed == {"a": ["b"], "b": [], "c": ["b"]}
+    applied = {me: own[informed[me][0]] if informed[me] else own[me] for me in held}
+    assert applied == {"a": ["b"], "b": ["b"], "c": ["b"]}
+
+
+def test_agree_drops_a_sender_that_sent_different_payloads_to_different_peers():
+    held = {"a": "1", "b": "2", "r": "x1"}
+    votes = {"r": {"1", "2", "x1"}, "b": {"1", "2", "x2"}}
+    assert wire.agree(held, votes) == ["a", "b"]
+
+
+def test_agree_ignores_votes_of_peers_whose_payload_is_not_held():
+    held = {"a": "1", "b": "2"}
+    assert wire.agree(held, {"stranger": set()}) == ["a", "b"]
+
+
+def test_vote_roundtrip_gives_the_digests():
+    digests = [wire.digest("a", b"x"), wire.digest("b", b"x")]
+    assert wire.decode_vote(wire.encode_vote(4, digests), 4) == frozenset(digests)
+    assert digests[0] != digests[1]  # equal bytes from two senders are two payloads
+
+
+def test_decode_vote_rejects_a_vote_for_another_step():
+    with pytest.raises(wire.WireError, match="step 3"):
+        wire.decode_vote(wire.encode_vote(4, [wire.digest("a", b"")]), 3)
+
+
+def test_decode_vote_rejects_partial_digests():
+    with pytest.raises(wire.WireError, match="whole digests"):
+        wire.decode_vote(wire.encode_vote(1, [wire.digest("a", b"")]) + b"\x00", 1)
+
+
+def test_decode_log_rejects_a_malformed_header():
+    with pytest.raises(wire.WireError, match="malformed"):
+        wire.decode_log(b'{"step": 2, "held": {"a": "zz"}}', 2)
+
+
+def test_majority_needs_more_than_half():
+    assert majority({"a": "x", "b": "x", "c": "y"}) == ("x", ["a", "b"])
+    assert majority({"a": "x", "b": "y"}) == (None, [])
+
+
+def test_state_roundtrip_keeps_tensors_types_and_int_keys():
+    tree = {
+        "model": {
+            "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "b": torch.tensor([1, 2], dtype=torch.bfloat16),
+        },
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "delta": torch.ones(4)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0], "nan": math.nan}],
+        },
+        "empty": torch.empty(0, 5),
+    }
+    out = load_state(dump_state(tree))
+    assert torch.equal(out["model"]["w"], tree["model"]["w"])
+    assert out["model"]["b"].dtype == torch.bfloat16 and torch.equal(out["model"]["b"], tree["model"]["b"])
+    assert list(out["optimizer"]["state"]) == [0]
+    assert torch.equal(out["optimizer"]["state"][0]["delta"], torch.ones(4))
+    assert out["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.99]
+    assert math.isnan(out["optimizer"]["param_groups"][0]["nan"])
+    assert out["empty"].shape == (0, 5)
+
+
+def test_state_load_refuses_a_pickle():
+    import pickle
+
+    with pytest.raises(StateFormatError, match="magic"):
+        load_state(pickle.dumps({"w": torch.ones(2)}))
+
+
+def test_state_load_refuses_a_tensor_past_the_end():
+    blob = dump_state({"w": torch.ones(100)})
+    with pytest.raises(StateFormatError, match="past the end"):
+        load_state(blob[:-8])
+
+
+def test_state_load_refuses_a_size_that_does_not_match_the_shape():
+    blob = dump_state({"w": torch.ones(4)})
+    forged = blob.replace(b'"shape": [4]', b'"shape": [9]')
+    with pytest.raises(StateFormatError, match="inconsistent"):
+        load_state(forged)
+
+
+def test_state_load_refuses_an_unknown_dtype():
+    blob = dump_state({"w": torch.ones(4)})
+    with pytest.raises(StateFormatError, match="dtype"):
+        load_state(blob.replace(b'"float32"', b'"object0"'))
