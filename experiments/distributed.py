@@ -1,0 +1,115 @@
+"""The runner under torchrun: each rank is one worker and talks through torch.distributed.
+
+    torchrun --nproc_per_node 8 -m experiments.run --preset llama-1.2b --arms adamw,distro --out runs/x
+
+Rank 0 checks the run directory, writes the metrics and the summary. The backend comes from
+``distro_opt.comm.resolve_backend()`` once the default process group exists, so bytes are counted by
+the same ``CommStats`` as in-process runs. The train loss is averaged with a plain
+``torch.distributed.all_reduce`` outside the backend: it is bookkeeping, not training traffic.
+Interrupting a torchrun job kills its ranks; ``--resume`` continues from the last periodic checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from distro_opt.comm import resolve_backend
+
+from .checkpoint import CheckpointStore
+from .cli import UsageError, fail
+from .data import CorpusError, load_corpus
+from .metrics import MetricsSink, truncate_metrics
+from .model import build_model
+from .train import Job, run_worker
+
+
+class DistLossMean:
+    """Train loss averaged over ranks with one small all_reduce (not counted as training bytes)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._value = None
+
+    def put(self, step, rank, loss):
+        self._value = loss
+
+    def mean(self, step, world_size):
+        t = torch.tensor([self._value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t) / world_size
+
+
+def main_distributed(args, preset, arms) -> int:
+    from .run import finish, prepare_out_dir, record_result, run_config, _result_path
+
+    use_cuda = preset.device.startswith("cuda") and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=preset.timeout_s)
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"
+    preset = type(preset)(**{**preset.__dict__, "workers": world, "device": device})
+    error = None
+    try:
+        corpus = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
+        if rank == 0:
+            prepare_out_dir(args.out, run_config(preset, arms, world, corpus.vocab_size), args.resume)
+    except (CorpusError, UsageError, ValueError) as exc:
+        error = str(exc)
+    errors = [None] * world
+    dist.all_gather_object(errors, error)  # every rank stops if any rank cannot start
+    if any(errors):
+        dist.destroy_process_group()
+        return fail(next(e for e in errors if e))
+    backend = resolve_backend()
+    try:
+        for seed in preset.seed_list():
+            for arm in arms:
+                if _result_path(args.out, arm, seed).exists():
+                    continue
+                job = Job(
+                    arm=arm,
+                    seed=seed,
+                    preset=preset,
+                    corpus=corpus,
+                    out=args.out,
+                    resume=args.resume,
+                    vocab_size=corpus.vocab_size,
+                    init_state=build_model(preset.model_config(corpus.vocab_size), seed=seed).state_dict(),
+                )
+                store = CheckpointStore(args.out, arm.slug, seed, world)
+                sink = None
+                if rank == 0:
+                    if args.resume:
+                        step = store.latest_step()
+                        truncate_metrics(
+                            args.out / "metrics.jsonl", arm.label, seed, step if step > 0 else None
+                        )
+                    sink = MetricsSink(
+                        args.out / "metrics.jsonl",
+                        arm.label,
+                        seed,
+                        preset.steps,
+                        start_step=store.latest_step() if args.resume else 0,
+                        progress=not args.no_progress,
+                    )
+                dist.barrier()
+                result = run_worker(backend, job, DistLossMean(device), None, sink)
+                gathered = [None] * world if rank == 0 else None
+                dist.gather_object(result, gathered, dst=0)
+                if rank == 0:
+                    sink.close()
+                    record_result(args.out, job, gathered)
+        if rank == 0:
+            finish(args.out, plots=not args.no_plots)
+            print((args.out / "summary.md").read_text())
+    finally:
+        backend.close()
+        dist.destroy_process_group()
+    return 0

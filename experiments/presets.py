@@ -1,0 +1,166 @@
+"""Experiment presets: plain dataclasses. Every field can be overridden from the command line.
+
+* ``smoke``: ~1.1M parameters, 4 workers x 4 sequences x 128 tokens, 300 steps; the CI run
+  (both arms together in under 3 minutes on 2 CPU cores).
+* ``parity``: the same model for 3000 steps and two paired seeds: the loss-parity measurement.
+* ``llama-1.2b``: the DisTrO report's model and hyperparameters (16 layers, hidden 2048, FFN 8192,
+  8 heads, vocab 32000, context 2048; AdamW betas (0.9, 0.95), peak lr 4e-4 cosine to 4e-5, 400
+  warm-up steps, weight decay 0.1), bf16 autocast and activation checkpointing, for torchrun on GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .model import ModelConfig
+
+
+@dataclass
+class Preset:
+    name: str = "smoke"
+    # model
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 384
+    seq_len: int = 128
+    tie_embeddings: bool = True
+    activation_checkpointing: bool = False
+    # data
+    corpus: str = "shakespeare"
+    tokenizer: str = "bpe"
+    vocab_size: int = 2048
+    # training (per arm)
+    arms: str = "adamw,distro"
+    workers: int = 4
+    batch_size: int = 4  # sequences per worker per step
+    steps: int = 300
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio
+    warmup_steps: int = 30
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    seeds: str = "0"  # comma-separated; each arm runs once per seed from that seed's initialization
+    # measurement
+    eval_every: int = 50
+    eval_batches: int = 4  # x eval_batch_size x seq_len = 8K fixed validation tokens (smoke)
+    eval_batch_size: int = 16
+    checkpoint_every: int = 100
+    # execution
+    device: str = "cpu"
+    autocast: str = "none"  # "none" or "bf16"
+    # intra-op threads per process: 1 suits several in-process workers on a CPU; 0 = torch's default
+    torch_threads: int = 1
+    timeout_s: float = 300.0  # bound on every collective wait
+
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=vocab_size or self.vocab_size,
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_ff=self.d_ff,
+            max_seq_len=self.seq_len,
+            tie_embeddings=self.tie_embeddings,
+            activation_checkpointing=self.activation_checkpointing,
+        )
+
+    def seed_list(self) -> list[int]:
+        try:
+            seeds = [int(s) for s in self.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"Invalid seeds: {self.seeds!r} (expected comma-separated integers)") from None
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"Invalid seeds: {self.seeds!r} (expected distinct integers)")
+        return seeds
+
+    def validate(self) -> None:
+        positive = (
+            "n_layers",
+            "d_model",
+            "n_heads",
+            "d_ff",
+            "seq_len",
+            "workers",
+            "batch_size",
+            "steps",
+            "eval_every",
+            "eval_batches",
+            "eval_batch_size",
+            "checkpoint_every",
+        )
+        for name in positive:
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"Invalid {name}: {getattr(self, name)!r} (expected >= 1)")
+        if not 0.0 < self.lr < float("inf"):
+            raise ValueError(f"Invalid learning rate: {self.lr}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(
+                f"Invalid warmup_steps: {self.warmup_steps} (expected 0 <= warmup_steps < steps)"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"Invalid min_lr_ratio: {self.min_lr_ratio}")
+        if self.autocast not in ("none", "bf16"):
+            raise ValueError(f"Invalid autocast: {self.autocast!r} (expected 'none' or 'bf16')")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(
+                f"Invalid device {self.device!r}: CUDA is not available here (pass --device cpu)"
+            )
+        self.seed_list()
+        self.model_config()  # validates the model shape
+
+
+SMOKE = Preset()
+
+PARITY = dataclasses.replace(
+    SMOKE,
+    name="parity",
+    steps=3000,
+    warmup_steps=100,
+    seeds="0,1",
+    eval_every=100,
+    eval_batches=16,
+    checkpoint_every=250,
+)
+
+LLAMA_1_2B = Preset(
+    name="llama-1.2b",
+    n_layers=16,
+    d_model=2048,
+    n_heads=8,
+    d_ff=8192,
+    seq_len=2048,
+    tie_embeddings=False,
+    activation_checkpointing=True,
+    vocab_size=32000,
+    workers=32,
+    batch_size=64,
+    steps=25000,
+    lr=4e-4,
+    min_lr_ratio=0.1,
+    warmup_steps=400,
+    beta1=0.9,
+    beta2=0.95,
+    weight_decay=0.1,
+    eval_every=500,
+    eval_batches=16,
+    eval_batch_size=8,
+    checkpoint_every=500,
+    device="cuda",
+    autocast="bf16",
+    torch_threads=0,
+    timeout_s=1800.0,
+)
+
+PRESETS = {p.name: p for p in (SMOKE, PARITY, LLAMA_1_2B)}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"Unknown preset {name!r} (expected one of {', '.join(PRESETS)})")
+    return dataclasses.replace(PRESETS[name])

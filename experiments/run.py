@@ -1,0 +1,247 @@
+"""Train each arm from the same initialization on the same data, and measure loss against bytes.
+
+    python -m experiments.run --preset smoke --arms adamw,distro --workers 4 --out runs/smoke
+
+Writes into ``--out``: config.json (what identifies the run), metrics.jsonl (one row per step and
+arm), results/ (per-worker byte totals), checkpoints/, summary.json, summary.md and PNG plots.
+Workers are threads of this process (``InProcessBackend``) unless started by torchrun, where each
+rank is a worker and talks through torch.distributed (``distro_opt.comm.resolve_backend``).
+Ctrl-C or SIGTERM stops every worker at the same step and checkpoints it; ``--resume`` continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from distro_opt.comm import InProcessBackend
+
+from .arms import check_arm, parse_arms
+from .checkpoint import CheckpointStore
+from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail
+from .data import CorpusError, load_corpus
+from .metrics import MetricsSink, load_run, summarize, truncate_metrics, write_summary
+from .model import build_model
+from .presets import PRESETS, Preset, get_preset
+from .train import Job, LossTable, StopSignal, run_worker
+
+EXIT_INTERRUPTED = 130
+_NOT_IDENTITY = ("torch_threads", "timeout_s")  # how a run executes, not what it measures
+
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="python -m experiments.run",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=40),
+    )
+    p.add_argument("--preset", default="smoke", help=f"one of: {', '.join(PRESETS)} (default smoke)")
+    p.add_argument("--out", required=True, type=Path, help="run directory (created; never overwritten)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="token cache (default $DISTRO_OPT_CACHE or .cache/distro-opt)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    add_preset_flags(p, Preset)
+    p.epilog = (
+        "Arms: adamw (torch AdamW, gradients all-reduced through the same backend), distro "
+        "(DisTrOAdamW), demo (DeMo); options as kind:key=value,... e.g. distro:topk=8,bits=2 "
+        "(topk, bits, chunk, decay, wd, or any keyword of the optimizer)."
+    )
+    return p
+
+
+def run_config(preset: Preset, arms, workers: int, vocab_size: int) -> dict:
+    return {
+        "preset": dataclasses.asdict(preset),
+        "arms": [dataclasses.asdict(a) for a in arms],
+        "seeds": preset.seed_list(),
+        "workers": workers,
+        "vocab_size": vocab_size,
+    }
+
+
+def _identity(config: dict) -> dict:
+    ident = json.loads(json.dumps(config))
+    for k in _NOT_IDENTITY:
+        ident["preset"].pop(k, None)
+    return ident
+
+
+def prepare_out_dir(out: Path, config: dict, resume: bool) -> None:
+    """Refuse to mix runs: a new run needs an empty or absent --out; --resume needs the same run there."""
+    cfg_path = out / "config.json"
+    if cfg_path.exists():
+        try:
+            old = json.loads(cfg_path.read_text())
+        except ValueError:
+            raise UsageError(f"{out} holds an unreadable config.json; choose another --out") from None
+        if not resume:
+            raise UsageError(
+                f"{out} already holds a run; pass --resume to continue it, or choose another --out"
+            )
+        a, b = _identity(old), _identity(config)
+        if a != b:
+            diff = sorted(
+                k for k in set(a["preset"]) | set(b["preset"]) if a["preset"].get(k) != b["preset"].get(k)
+            )
+            diff += [k for k in ("arms", "seeds", "workers", "vocab_size") if a[k] != b[k]]
+            raise UsageError(
+                f"{out} holds a different run (differs in: {', '.join(diff)}); choose another --out"
+            )
+        return
+    if resume:
+        raise UsageError(f"nothing to resume: {out} holds no run")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} exists and is not an empty directory; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results").mkdir()
+    cfg_path.write_text(json.dumps(config, indent=1))
+
+
+def _result_path(out: Path, arm, seed: int) -> Path:
+    return out / "results" / f"{arm.slug}-seed{seed}.json"
+
+
+def run_job_in_process(job: Job, workers: int, stop: StopSignal, progress: bool) -> list[dict]:
+    sink = MetricsSink(
+        job.out / "metrics.jsonl",
+        job.arm.label,
+        job.seed,
+        job.preset.steps,
+        start_step=CheckpointStore(job.out, job.arm.slug, job.seed, workers).latest_step()
+        if job.resume
+        else 0,
+        progress=progress,
+    )
+    losses = LossTable(job.preset.timeout_s)
+    try:
+        return InProcessBackend.run(
+            workers,
+            lambda b: run_worker(b, job, losses, stop, sink if b.rank == 0 else None),
+            timeout_s=job.preset.timeout_s,
+        )
+    finally:
+        sink.close()
+
+
+def record_result(out: Path, job: Job, workers: list[dict]) -> None:
+    first = workers[0]
+    result = {
+        "arm": job.arm.label,
+        "kind": job.arm.kind,
+        "seed": job.seed,
+        "status": first["status"],
+        "world_size": len(workers),
+        "payload_nbytes": first["payload_nbytes"],
+        "n_params": first["n_params"],
+        "workers": [
+            {k: w[k] for k in ("rank", "sent", "received", "collectives", "wall_s")} for w in workers
+        ],
+    }
+    if first["status"] == "done":
+        _result_path(out, job.arm, job.seed).write_text(json.dumps(result, indent=1))
+
+
+def finish(out: Path, plots: bool) -> dict:
+    config, rows, results = load_run(out)
+    summary = summarize(config, rows, results)
+    write_summary(out, summary)
+    if plots and summary["arms"]:
+        from .plots import make_plots
+
+        make_plots(out, config, rows, summary)
+    return summary
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        preset = apply_overrides(get_preset(args.preset), args)
+        preset.validate()
+        arms = parse_arms(preset.arms)
+        for arm in arms:
+            check_arm(arm, preset)
+    except ValueError as exc:
+        return fail(str(exc))
+    threads = torch.get_num_threads()
+    if preset.torch_threads > 0:
+        torch.set_num_threads(preset.torch_threads)
+    try:
+        if "WORLD_SIZE" in os.environ:
+            from .distributed import main_distributed
+
+            return main_distributed(args, preset, arms)
+        return run_in_process(args, preset, arms)
+    finally:
+        torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its setting
+
+
+def run_in_process(args, preset: Preset, arms) -> int:
+    """Every arm and seed with ``preset.workers`` threads as workers; then the summary and plots."""
+    try:
+        corpus = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
+        config = run_config(preset, arms, preset.workers, corpus.vocab_size)
+        prepare_out_dir(args.out, config, args.resume)
+    except (CorpusError, UsageError, ValueError) as exc:
+        return fail(str(exc))
+    stop = StopSignal()
+    previous = {s: signal.signal(s, stop.request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for seed in preset.seed_list():
+            for arm in arms:
+                if _result_path(args.out, arm, seed).exists():
+                    continue  # finished before an interruption
+                if stop.requested:
+                    print(
+                        "interrupted between arms; continue with the same command plus --resume",
+                        file=sys.stderr,
+                    )
+                    return EXIT_INTERRUPTED
+                job = Job(
+                    arm=arm,
+                    seed=seed,
+                    preset=preset,
+                    corpus=corpus,
+                    out=args.out,
+                    vocab_size=corpus.vocab_size,
+                    resume=args.resume,
+                    init_state=build_model(preset.model_config(corpus.vocab_size), seed=seed).state_dict(),
+                )
+                if args.resume:
+                    step = CheckpointStore(args.out, arm.slug, seed, preset.workers).latest_step()
+                    truncate_metrics(args.out / "metrics.jsonl", arm.label, seed, step if step > 0 else None)
+                workers = run_job_in_process(job, preset.workers, stop, progress=not args.no_progress)
+                record_result(args.out, job, workers)
+                if workers[0]["status"] == "interrupted":
+                    print(
+                        f"interrupted at step {workers[0]['step']} of {arm.label} (seed {seed}); "
+                        f"metrics so far are in {args.out / 'metrics.jsonl'}; "
+                        "continue with the same command plus --resume",
+                        file=sys.stderr,
+                    )
+                    return EXIT_INTERRUPTED
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    summary = finish(args.out, plots=not args.no_plots)
+    print((args.out / "summary.md").read_text())
+    bad = [a for a, s in summary["arms"].items() if not s["bytes_match_formula"]]
+    if bad:
+        print(f"warning: measured bytes differ from the formula for: {', '.join(bad)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

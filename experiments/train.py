@@ -1,0 +1,259 @@
+"""One worker's training loop for one arm: the same code runs on an in-process thread or a torchrun rank.
+
+Every worker holds a full replica (same initialization), trains on its own shard of the text, and
+synchronizes only through its ``Backend``: AdamW all-reduces the flattened gradient (as DDP does),
+DisTrOAdamW / DeMo all-gather their compressed payloads inside ``step()``. Bytes come from
+``backend.stats`` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .arms import Arm, build_optimizer
+from .checkpoint import CheckpointStore
+from .data import val_batches, worker_batch
+from .model import build_model
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up to 1 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``steps``."""
+    if step <= warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class StopSignal:
+    """Ctrl-C / SIGTERM for in-process workers, turned into one step at which every worker stops.
+
+    Workers are at most one step apart (every step ends in a collective), so the first worker to
+    see the request fixes ``stop_at = its step + 1``; every worker then stops at that same step and
+    nobody is left waiting in a collective.
+    """
+
+    def __init__(self):
+        self._requested = threading.Event()
+        self._lock = threading.Lock()
+        self.stop_at: int | None = None
+
+    def request(self, *_args) -> None:
+        self._requested.set()
+
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def should_stop(self, step: int) -> bool:
+        with self._lock:
+            if self.stop_at is None and self._requested.is_set():
+                self.stop_at = step + 1
+            return self.stop_at is not None and step >= self.stop_at
+
+
+class LossTable:
+    """Mean train loss over in-process workers. Every worker puts its loss, then every worker asks for
+    the mean (waiting, bounded, for the slower ones: in overlap mode a step's collective completes
+    only during the next step); a step's row is dropped once every worker has read it."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._losses: dict[int, dict[int, float]] = {}
+        self._reads: dict[int, int] = {}
+        self._cond = threading.Condition()
+
+    def put(self, step: int, rank: int, loss: float) -> None:
+        with self._cond:
+            self._losses.setdefault(step, {})[rank] = loss
+            self._cond.notify_all()
+
+    def mean(self, step: int, world_size: int) -> float:
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._losses.get(step, {})) == world_size, self.timeout_s):
+                missing = sorted(set(range(world_size)) - set(self._losses.get(step, {})))
+                raise RuntimeError(
+                    f"train losses of step {step} missing for ranks {missing} after {self.timeout_s} s"
+                )
+            row = self._losses[step]
+            self._reads[step] = self._reads.get(step, 0) + 1
+            if self._reads[step] == world_size:
+                del self._losses[step], self._reads[step]
+        return sum(row[r] for r in range(world_size)) / world_size
+
+
+@dataclass
+class Job:
+    arm: Arm
+    seed: int
+    preset: object
+    corpus: object
+    init_state: dict
+    out: Path
+    vocab_size: int
+    resume: bool
+
+
+def _all_reduce_gradients(model, backend) -> float:
+    """DDP's gradient averaging, as one flat fp32 buffer through the same backend (bytes counted there)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+    )
+    t0 = time.perf_counter()
+    backend.all_reduce(flat, op="mean")
+    comm_s = time.perf_counter() - t0
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+        offset += n
+    return comm_s
+
+
+def _count_bytes(backend, state: dict, last: tuple, step: int):
+    """Add what ``backend.stats`` counted since ``last`` to the run's cumulative counters."""
+    now = (backend.stats.bytes_sent, backend.stats.bytes_received, backend.stats.steps)
+    sent, received = now[0] - last[0], now[1] - last[1]
+    state = {
+        "step": step,
+        "sent": state["sent"] + sent,
+        "received": state["received"] + received,
+        "collectives": state["collectives"] + now[2] - last[2],
+        "wall_s": state["wall_s"],
+    }
+    return state, sent, received, now
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            total += float(model(x.to(device), y.to(device)))
+    model.train(was_training)
+    return total / len(batches)
+
+
+def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict:
+    """Train ``job.arm`` on worker ``backend.rank``; rank 0 also evaluates, logs and reports progress.
+
+    ``losses`` averages the train loss over workers (``LossTable`` or a torch.distributed reducer);
+    ``sink`` (rank 0 only) receives one metrics row per step. Returns this worker's totals.
+    """
+    p, rank, world = job.preset, backend.rank, backend.world_size
+    device = torch.device(p.device)
+    autocast = p.autocast == "bf16"
+    model = build_model(p.model_config(job.vocab_size), seed=job.seed)
+    model.load_state_dict(job.init_state)  # identical replicas, whatever the thread interleaving
+    model.to(device).train()
+    opt = build_optimizer(job.arm, model.parameters(), p, backend)
+    base_lrs = [g["lr"] for g in opt.param_groups]
+    store = CheckpointStore(job.out, job.arm.slug, job.seed, world)
+    state = {"step": 0, "sent": 0, "received": 0, "collectives": 0, "wall_s": 0.0}
+    if job.resume and (saved := store.load_latest(rank)) is not None:
+        state = saved["progress"]
+        opt.load_state_dict(saved["optimizer"])
+        model.load_state_dict(saved["model"])
+    val = (
+        val_batches(job.corpus.val, n_batches=p.eval_batches, batch_size=p.eval_batch_size, seq_len=p.seq_len)
+        if rank == 0
+        else None
+    )
+    tokens_per_step = world * p.batch_size * p.seq_len
+    if rank == 0 and state["step"] == 0:
+        sink.row(
+            step=0,
+            train_loss=None,
+            val_loss=evaluate(model, val, device, autocast),
+            lr=0.0,
+            tokens=0,
+            sent=0,
+            received=0,
+            state=state,
+            times=(0.0, 0.0, 0.0, 0.0),
+        )
+    last = (backend.stats.bytes_sent, backend.stats.bytes_received, backend.stats.steps)
+    status = "done"
+    for step in range(state["step"] + 1, p.steps + 1):
+        if stop is not None and stop.should_stop(step):
+            status = "interrupted"
+            break
+        t_start = time.perf_counter()
+        factor = lr_factor(step, p.steps, p.warmup_steps, p.min_lr_ratio)
+        for g, base in zip(opt.param_groups, base_lrs):
+            g["lr"] = base * factor
+        x, y = worker_batch(
+            job.corpus.train,
+            step=step,
+            rank=rank,
+            world_size=world,
+            batch_size=p.batch_size,
+            seq_len=p.seq_len,
+            seed=job.seed,
+        )
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x.to(device), y.to(device))
+        loss.backward()
+        losses.put(step, rank, float(loss.detach()))  # before the collective: see LossTable
+        compute_s = time.perf_counter() - t_start
+        if job.arm.kind == "adamw":
+            t0 = time.perf_counter()
+            comm_s = _all_reduce_gradients(model, backend)
+            codec_s = time.perf_counter() - t0 - comm_s
+            opt.step()
+        else:
+            opt.step()
+            codec_s, comm_s = opt.last_step_timing["codec_s"], opt.last_step_timing["comm_s"]
+        opt.zero_grad(set_to_none=True)
+        checkpoint_now = step % p.checkpoint_every == 0 and step < p.steps
+        if (checkpoint_now or step == p.steps) and hasattr(opt, "flush"):
+            # Overlap mode: land the pending update (and count its bytes) before evaluating or saving.
+            opt.flush()
+        state, sent, received, last = _count_bytes(backend, state, last, step)
+        train_loss = losses.mean(step, world)
+        eval_s, val_loss = 0.0, None
+        if rank == 0 and (step % p.eval_every == 0 or step == p.steps):
+            t0 = time.perf_counter()
+            val_loss = evaluate(model, val, device, autocast)
+            eval_s = time.perf_counter() - t0
+        state["wall_s"] += time.perf_counter() - t_start
+        if rank == 0:
+            sink.row(
+                step=step,
+                train_loss=train_loss,
+                val_loss=val_loss,
+                lr=opt.param_groups[0]["lr"],
+                tokens=step * tokens_per_step,
+                sent=sent,
+                received=received,
+                state=state,
+                times=(compute_s, codec_s, comm_s, eval_s),
+            )
+        if checkpoint_now:
+            store.save(rank, step, model, opt, state)
+    if status == "interrupted" and state["step"] > 0 and not getattr(opt, "overlap", False):
+        # Overlap mode is left to its last periodic checkpoint: saving now would flush the pending
+        # update a step early, and the resumed run would then differ from an uninterrupted one.
+        store.save(rank, state["step"], model, opt, state)
+    payload = getattr(opt, "payload_nbytes", None)
+    if payload is None:  # AdamW: the flat fp32 gradient is what each worker puts into the all-reduce
+        payload = 4 * sum(q.numel() for q in model.parameters() if q.requires_grad)
+    return {
+        "rank": rank,
+        "status": status,
+        "step": state["step"],
+        "sent": state["sent"],
+        "received": state["received"],
+        "collectives": state["collectives"],
+        "wall_s": state["wall_s"],
+        "payload_nbytes": int(payload),
+        "n_params": sum(q.numel() for q in model.parameters()),
+    }

