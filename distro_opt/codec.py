@@ -2,11 +2,17 @@
 
 Layout of a payload (all sizes fixed by the shapes and settings, known before any step):
 
-    header   12 bytes: magic b"DT", format version, flags (bit 0: this worker contributes),
-             8-byte layout fingerprint (SHA-256 of every parameter's shape, chunk, k and bits)
-    param 0  indices, bit-packed with ceil(log2(chunk_numel)) bits each (12 bits for 64x64 chunks),
-             then the values in the codec of ``compression_bits`` (see ``quant.py``)
-    param 1  ...
+    header     12 bytes: magic b"DT", format version, flags (bit 0: this worker contributes),
+               8-byte layout fingerprint (SHA-256 of every parameter's shape, chunk, k and bits)
+    segment 0  the chunks of every parameter sharing one (chunk shape, k, bits), stacked in
+               parameter order: their indices, bit-packed with ceil(log2(chunk_numel)) bits each
+               (12 bits for 64x64 chunks), then their values in the codec of ``compression_bits``
+               (see ``quant.py``)
+    segment 1  ...
+
+Segments let one step pack, unpack, aggregate and invert a whole group of same-shaped chunks in a
+few tensor operations instead of a few per parameter (a transformer has a handful of segments and
+dozens of parameters).
 
 Decoding validates the header, the length, every index and every value before returning anything,
 so a bad payload raises ``PayloadError`` (a ``ValueError``) and nothing is applied from it.
@@ -45,6 +51,33 @@ class ParamSpec:
     def chunk_numel(self) -> int:
         return math.prod(self.chunk)
 
+
+def param_spec(shape, topk: int, chunk_target: int, bits: int) -> ParamSpec:
+    """The spec of a parameter of ``shape`` under the group settings (k is capped at the chunk size)."""
+    chunk = DCTTransform.chunk_shape(tuple(shape), chunk_target)
+    value_codec(bits)  # validates bits
+    return ParamSpec(tuple(shape), chunk, min(topk, math.prod(chunk)), bits)
+
+
+@dataclass
+class Segment:
+    """The chunks of the parameters ``members`` (indices into the layout's specs), stacked by rows."""
+
+    chunk: tuple[int, ...]
+    k: int
+    bits: int
+    members: list[int]
+    rows: list[tuple[int, int]]  # each member's (first row, end row) in the stack
+    offset: int = 0
+
+    @property
+    def num_chunks(self) -> int:
+        return self.rows[-1][1]
+
+    @property
+    def chunk_numel(self) -> int:
+        return math.prod(self.chunk)
+
     @property
     def index_bits(self) -> int:
         return (self.chunk_numel - 1).bit_length()
@@ -58,23 +91,26 @@ class ParamSpec:
         return self.index_nbytes + value_codec(self.bits).nbytes(self.num_chunks, self.k)
 
 
-def param_spec(shape, topk: int, chunk_target: int, bits: int) -> ParamSpec:
-    """The spec of a parameter of ``shape`` under the group settings (k is capped at the chunk size)."""
-    chunk = DCTTransform.chunk_shape(tuple(shape), chunk_target)
-    value_codec(bits)  # validates bits
-    return ParamSpec(tuple(shape), chunk, min(topk, math.prod(chunk)), bits)
-
-
 class PayloadLayout:
-    """Offsets of every parameter in the step's buffer, the total size and the fingerprint."""
+    """The segments of the step's buffer, their offsets, the total size and the fingerprint."""
 
     def __init__(self, specs: list[ParamSpec]):
         self.specs = list(specs)
-        self.offsets = []
+        self.segments: list[Segment] = []
+        by_key: dict[tuple, Segment] = {}
+        for i, spec in enumerate(self.specs):
+            key = (spec.chunk, spec.k, spec.bits)
+            if key not in by_key:
+                by_key[key] = Segment(spec.chunk, spec.k, spec.bits, [], [])
+                self.segments.append(by_key[key])
+            seg = by_key[key]
+            start = seg.rows[-1][1] if seg.rows else 0
+            seg.members.append(i)
+            seg.rows.append((start, start + spec.num_chunks))
         offset = HEADER_NBYTES
-        for spec in self.specs:
-            self.offsets.append(offset)
-            offset += spec.nbytes
+        for seg in self.segments:
+            seg.offset = offset
+            offset += seg.nbytes
         self.nbytes = offset
         desc = repr([(s.shape, s.chunk, s.k, s.bits) for s in self.specs]).encode()
         self.fingerprint = hashlib.sha256(desc).digest()[:8]
@@ -84,17 +120,17 @@ class PayloadLayout:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
     def encode(self, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
-        """Pack (indices, value bytes) of every parameter; ``None`` makes a non-contributing payload."""
+        """Pack (indices (rows, k), value bytes) of every segment; ``None``: a non-contributing payload."""
         buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         buf[:HEADER_NBYTES] = self.header(contributes=parts is not None)
-        for spec, offset, (idx, vbytes) in zip(self.specs, self.offsets, parts or []):
-            ibytes = pack_bits(idx, spec.index_bits).cpu()
-            buf[offset : offset + ibytes.numel()] = ibytes
-            buf[offset + spec.index_nbytes : offset + spec.nbytes] = vbytes.cpu()
+        for seg, (idx, vbytes) in zip(self.segments, parts or []):
+            ibytes = pack_bits(idx, seg.index_bits).cpu()
+            buf[seg.offset : seg.offset + ibytes.numel()] = ibytes
+            buf[seg.offset + seg.index_nbytes : seg.offset + seg.nbytes] = vbytes.cpu()
         return buf
 
     def decode(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Validate ``buf`` and return per parameter (indices (B, k), values (B, k)), or ``None`` when
+        """Validate ``buf`` and return per segment (indices (rows, k), values (rows, k)), or ``None`` when
         the sender did not contribute this step. Raises ``PayloadError`` naming what is wrong."""
         if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
             raise PayloadError("payload is not a 1-D uint8 tensor")
@@ -116,29 +152,29 @@ class PayloadLayout:
         if not head[3] & FLAG_CONTRIBUTES:
             return None
         out = []
-        for i, (spec, offset) in enumerate(zip(self.specs, self.offsets)):
-            count = spec.num_chunks * spec.k
-            idx = unpack_bits(buf[offset : offset + spec.index_nbytes], spec.index_bits, count)
-            if (idx >= spec.chunk_numel).any():
-                raise PayloadError(f"payload index out of range for parameter {i} (chunk of {spec.chunk_numel})")
-            data = buf[offset + spec.index_nbytes : offset + spec.nbytes]
+        for j, seg in enumerate(self.segments):
+            count = seg.num_chunks * seg.k
+            idx = unpack_bits(buf[seg.offset : seg.offset + seg.index_nbytes], seg.index_bits, count)
+            if (idx >= seg.chunk_numel).any():
+                raise PayloadError(f"payload index out of range in segment {j} (chunk of {seg.chunk_numel})")
+            data = buf[seg.offset + seg.index_nbytes : seg.offset + seg.nbytes]
             try:
-                values = value_codec(spec.bits).decode(data, spec.num_chunks, spec.k)
+                values = value_codec(seg.bits).decode(data, seg.num_chunks, seg.k)
             except PayloadError as exc:
-                raise PayloadError(f"{exc} (parameter {i})") from None
-            out.append((idx.reshape(spec.num_chunks, spec.k), values))
+                raise PayloadError(f"{exc} (segment {j})") from None
+            out.append((idx.reshape(seg.num_chunks, seg.k), values))
         return out
 
 
-def aggregate(spec: ParamSpec, contributions: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor):
+def aggregate(seg: Segment, contributions: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor):
     """DeMo's aggregate: each coefficient is the mean of the values of the workers that kept it
-    (0 where nobody did). ``contributions`` are (indices, values) of one parameter, one per worker.
+    (0 where nobody did). ``contributions`` are (indices, values) of one segment, one per worker.
 
     Returned sparse, as (indices, weights) per chunk with repeats: a coefficient kept by n workers
     appears n times with weight value / n, so the repeats add up to the mean."""
     dev, dtype = like.device, like.dtype
     idx = torch.cat([i.to(dev) for i, _ in contributions], dim=1)
     values = torch.cat([v.to(device=dev, dtype=dtype) for _, v in contributions], dim=1)
-    count = torch.zeros(spec.num_chunks, spec.chunk_numel, dtype=dtype, device=dev)
+    count = torch.zeros(seg.num_chunks, seg.chunk_numel, dtype=dtype, device=dev)
     count.scatter_add_(1, idx, torch.ones_like(values))
     return idx, values / count.gather(1, idx)

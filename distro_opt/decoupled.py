@@ -124,22 +124,26 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         to all of that chunk's coefficients, and top-k ranks NaN and inf first, so checking the kept
         values finds it without another pass over the gradients."""
         grad_scale = getattr(self, "grad_scale", None)
-        parts, deltas = [], []
-        finite = True
+        news = []
         for (group, p), spec, x in zip(entries, layout.specs, inputs):
             delta = self._state(p, spec)["delta"]
             g = x.to(delta.dtype) if x is not None else torch.zeros(p.shape, dtype=delta.dtype, device=p.device)
             if grad_scale is not None:
                 g = g / grad_scale.to(g.device)
             new = self._transform.encode(g, spec.chunk).mul_(self._momentum_scale(group))
-            new.add_(delta, alpha=group["compression_decay"])
-            idx = new.abs().topk(spec.k, dim=1, sorted=False).indices
-            kept = new.gather(1, idx)
+            news.append(new.add_(delta, alpha=group["compression_decay"]))
+        parts, deltas = [], [None] * len(news)
+        finite = True
+        for seg in layout.segments:  # top-k and quantization of all same-shaped chunks at once
+            stack = news[seg.members[0]] if len(seg.members) == 1 else torch.cat([news[m] for m in seg.members])
+            idx = stack.abs().topk(seg.k, dim=1, sorted=False).indices
+            kept = stack.gather(1, idx)
             finite &= bool(torch.isfinite(kept).all())
-            vbytes, sent = value_codec(spec.bits).encode(kept)
-            new.scatter_add_(1, idx, -sent)  # error feedback: keep what was not sent
+            vbytes, sent = value_codec(seg.bits).encode(kept)
+            stack.scatter_add_(1, idx, -sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
-            deltas.append(new)
+            for m, (start, end) in zip(seg.members, seg.rows):
+                deltas[m] = stack[start:end]
         if not finite:
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
@@ -164,15 +168,18 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _apply(self, entries, layout, decoded):
         if not decoded and self._skip_empty_steps:  # nobody contributed: skipped on every worker alike
             return
-        for j, ((group, p), spec) in enumerate(zip(entries, layout.specs)):
-            state = self._state(p, spec)
+        for j, seg in enumerate(layout.segments):
+            params = [entries[m][1] for m in seg.members]
+            states = [self._state(p, layout.specs[m]) for p, m in zip(params, seg.members)]
             if decoded:
-                idx, weights = aggregate(spec, [d[j] for d in decoded], like=state["delta"])
-                direction = self._transform.decode_sparse(idx, weights, tuple(p.shape), spec.chunk)
+                idx, weights = aggregate(seg, [d[j] for d in decoded], like=states[0]["delta"])
+                pieces = [(a, b, tuple(p.shape)) for p, (a, b) in zip(params, seg.rows)]
+                directions = self._transform.decode_many(idx, weights, seg.chunk, pieces)
             else:
-                direction = torch.zeros(p.shape, dtype=state["delta"].dtype, device=p.device)
-            state["step"] += 1  # applied updates: the same count on every worker
-            self._update(group, p, direction, state)
+                directions = [torch.zeros(p.shape, dtype=st["delta"].dtype, device=p.device) for p, st in zip(params, states)]
+            for m, p, state, direction in zip(seg.members, params, states, directions):
+                state["step"] += 1  # applied updates: the same count on every worker
+                self._update(entries[m][0], p, direction, state)
 
     def _finish(self, pending, before_apply=None):
         """Wait for a started collective, validate every payload, then (and only then) write."""
@@ -233,5 +240,14 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
+        """As torch's, but buffers keep their saved dtype: torch would cast them to the parameter's
+        dtype, and a bf16 model's float32 error-feedback buffer would lose its low bits."""
         self._pending = None
         super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, saved in state_dict["state"].items():
+            if isinstance(index, int) and index < len(params):
+                state = self.state[params[index]]
+                for key, value in saved.items():
+                    if torch.is_tensor(value) and key != "step" and state[key].dtype != value.dtype:
+                        state[key] = value.to(device=params[index].device, copy=True)

@@ -84,7 +84,7 @@ class DCTTransform:
         y = y.reshape(split).permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2))
         return y.reshape(-1, math.prod(chunk))
 
-    def _unchunk(self, y: torch.Tensor, full: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
+    def unchunk(self, y: torch.Tensor, full: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
         """Chunk-major (num_chunks, c_1, ..., c_d) back to the tensor's own layout."""
         split, d = self._split(full, chunk)
         order = [i for pair in zip(range(d), range(d, 2 * d)) for i in pair]  # b1, c1, b2, c2, ...
@@ -93,21 +93,26 @@ class DCTTransform:
     def decode(self, coeffs: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
         """Inverse of ``encode``: coefficients (num_chunks, chunk_numel) back to a tensor of ``shape``."""
         full = tuple(shape) or (1,)
-        return self._apply(self._unchunk(coeffs, full, chunk), full, chunk, inverse=True).reshape(shape)
+        return self._apply(self.unchunk(coeffs, full, chunk), full, chunk, inverse=True).reshape(shape)
 
-    def decode_sparse(self, idx: torch.Tensor, values: torch.Tensor, shape, chunk) -> torch.Tensor:
-        """``decode`` of coefficients given as (indices, values) per chunk, both (num_chunks, m);
-        repeated indices add up. With few coefficients per chunk (m < sum of the chunk's sides) the
-        chunks are summed from their m basis functions, cheaper than the dense inverse."""
-        full = tuple(shape) or (1,)
-        m = idx.shape[1]
-        if len(chunk) > 2 or m >= sum(chunk):
+    def decode_many(self, idx: torch.Tensor, values: torch.Tensor, chunk, pieces) -> list[torch.Tensor]:
+        """Inverse DCT of stacked chunks given as (indices, values), both (num_chunks, m), repeated
+        indices adding up; ``pieces`` = [(first row, end row, shape)] cuts the stack into tensors.
+
+        With few coefficients per chunk (m < the sum of the chunk's sides) each chunk is the sum of
+        its m basis outer products, cheaper than the dense inverse; otherwise the dense inverse."""
+        if len(chunk) > 2 or idx.shape[1] >= sum(chunk):
             dense = torch.zeros(idx.shape[0], math.prod(chunk), dtype=values.dtype, device=values.device)
-            return self.decode(dense.scatter_add_(1, idx, values), shape, chunk)
+            dense.scatter_add_(1, idx, values)
+            return [self.decode(dense[a:b], shape, chunk) for a, b, shape in pieces]
         last = self._basis(chunk[-1], values)[idx % chunk[-1]] * values.unsqueeze(-1)  # (B, m, c_last)
         if len(chunk) == 1:
             y = last.sum(1)
         else:
             first = self._basis(chunk[0], values)[idx // chunk[-1]]  # (B, m, c_first)
-            y = first.transpose(1, 2) @ last  # sum of m outer products per chunk
-        return self._unchunk(y, full, chunk).reshape(shape)
+            y = first.transpose(1, 2) @ last
+        return [self.unchunk(y[a:b], tuple(shape) or (1,), chunk).reshape(shape) for a, b, shape in pieces]
+
+    def decode_sparse(self, idx: torch.Tensor, values: torch.Tensor, shape, chunk) -> torch.Tensor:
+        """``decode`` of one tensor's coefficients given as (indices, values) per chunk."""
+        return self.decode_many(idx, values, chunk, [(0, idx.shape[0], shape)])[0]

@@ -57,14 +57,14 @@ def garbage(mode: str, good: torch.Tensor, layout: PayloadLayout, rng: torch.Gen
         return buf[:-1].clone()
     if mode == "noise":
         return torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=rng)
-    for spec, offset in zip(layout.specs, layout.offsets):
+    for seg in layout.segments:
         if mode == "bad-index":
-            buf[offset : offset + spec.index_nbytes] = 255
+            buf[seg.offset : seg.offset + seg.index_nbytes] = 255
         elif mode == "nan":
-            scales = 2 * spec.num_chunks  # bf16 scale per chunk at the end of the values
-            buf[offset + spec.nbytes - scales : offset + spec.nbytes] = torch.tensor(
+            scales = 2 * seg.num_chunks  # bf16 scale per chunk at the end of the values
+            buf[seg.offset + seg.nbytes - scales : seg.offset + seg.nbytes] = torch.tensor(
                 [0xC0, 0x7F], dtype=torch.uint8
-            ).repeat(spec.num_chunks)
+            ).repeat(seg.num_chunks)
     return buf
 
 

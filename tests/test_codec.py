@@ -42,21 +42,23 @@ def test_one_bit_codec_sends_sign_times_mean_magnitude():
 
 
 def test_default_distro_setting_is_as_lean_as_psyche():
-    spec = param_spec((4096, 4096), topk=4, chunk_target=64, bits=1)
+    layout = PayloadLayout([param_spec((4096, 4096), topk=4, chunk_target=64, bits=1)])
     # per 64x64 chunk: 4 x 12-bit indices + 4 sign bits + a 2-byte scale = 8.5 bytes
-    assert spec.nbytes == 4096 * (4 * 12 + 4) // 8 + 4096 * 2
-    assert spec.nbytes / (4096 * 4096) <= 0.0022
+    assert layout.nbytes == HEADER_NBYTES + 4096 * (4 * 12 + 4) // 8 + 4096 * 2
+    assert layout.nbytes / (4096 * 4096) <= 0.0022
 
 
 def test_payload_size_equals_formula():
-    specs = [param_spec((256, 128), 32, 64, 32), param_spec((128,), 32, 64, 16), param_spec((67,), 32, 64, 8)]
+    specs = [param_spec((256, 128), 32, 64, 32), param_spec((128,), 32, 64, 16), param_spec((67,), 32, 64, 8),
+             param_spec((64, 192), 32, 64, 32)]
     layout = PayloadLayout(specs)
-    # (256,128): 8 chunks of 4096, 32 x 12-bit indices + 32 fp32 each
-    first = 8 * 32 * 12 // 8 + 8 * 32 * 4
+    # (256,128) and (64,192) share a segment: 8 + 3 chunks of 4096, 32 x 12-bit indices + 32 fp32 each
+    first = 11 * 32 * 12 // 8 + 11 * 32 * 4
     # (128,): 2 chunks of 64, 6-bit indices, bf16 values
     second = math.ceil(2 * 32 * 6 / 8) + 2 * 32 * 2
     # (67,) prime: 67 chunks of 1, 0 index bits, k=1, int8 + bf16 scale each
     third = 0 + 67 * 1 + 67 * 2
+    assert len(layout.segments) == 3
     assert layout.nbytes == HEADER_NBYTES + first + second + third
 
 
@@ -98,9 +100,9 @@ def test_decode_rejects_index_out_of_range():
 def test_decode_rejects_non_finite_values():
     layout, buf, _ = _layout_and_payload()
     bad = buf.clone()
-    spec = layout.specs[0]
+    seg = layout.segments[0]
     nan = torch.tensor([float("nan")]).view(torch.uint8)
-    bad[HEADER_NBYTES + spec.index_nbytes : HEADER_NBYTES + spec.index_nbytes + 4] = nan
+    bad[seg.offset + seg.index_nbytes : seg.offset + seg.index_nbytes + 4] = nan
     with pytest.raises(PayloadError, match="non-finite"):
         layout.decode(bad)
 

@@ -223,3 +223,17 @@ def test_mismatched_models_raise_on_every_worker(width):
     for message, unchanged, nstate in InProcessBackend.run(2, worker, timeout_s=60):
         assert message is not None and "layout mismatch" in message
         assert unchanged and nstate <= 4  # nothing written into parameters before validation
+
+
+def test_bf16_model_keeps_float32_buffers_across_resume():
+    model = make_model().to(torch.bfloat16)
+    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    x, y = batch(0)
+    torch.nn.functional.cross_entropy(model(x.bfloat16()), y).backward()
+    opt.step()
+    saved = opt.state_dict()
+    fresh = DisTrOAdamW(model.parameters(), lr=0.01)
+    fresh.load_state_dict(saved)
+    for p in model.parameters():
+        assert fresh.state[p]["delta"].dtype == torch.float32
+        assert torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"])
