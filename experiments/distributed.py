@@ -23,7 +23,6 @@ from .checkpoint import CheckpointStore
 from .cli import UsageError, fail
 from .data import CorpusError, load_corpus
 from .metrics import MetricsSink, truncate_metrics
-from .model import build_model
 from .train import Job, run_worker
 
 
@@ -73,16 +72,7 @@ def main_distributed(args, preset, arms) -> int:
             for arm in arms:
                 if _result_path(args.out, arm, seed).exists():
                     continue
-                job = Job(
-                    arm=arm,
-                    seed=seed,
-                    preset=preset,
-                    corpus=corpus,
-                    out=args.out,
-                    resume=args.resume,
-                    vocab_size=corpus.vocab_size,
-                    init_state=build_model(preset.model_config(corpus.vocab_size), seed=seed).state_dict(),
-                )
+                job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
                 store = CheckpointStore(args.out, arm.slug, seed, world)
                 sink = None
                 if rank == 0:

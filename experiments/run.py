@@ -28,7 +28,6 @@ from .checkpoint import CheckpointStore
 from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail
 from .data import CorpusError, load_corpus
 from .metrics import MetricsSink, load_run, summarize, truncate_metrics, write_summary
-from .model import build_model
 from .presets import PRESETS, Preset, get_preset
 from .train import Job, LossTable, StopSignal, run_worker
 
@@ -209,16 +208,7 @@ def run_in_process(args, preset: Preset, arms) -> int:
                         file=sys.stderr,
                     )
                     return EXIT_INTERRUPTED
-                job = Job(
-                    arm=arm,
-                    seed=seed,
-                    preset=preset,
-                    corpus=corpus,
-                    out=args.out,
-                    vocab_size=corpus.vocab_size,
-                    resume=args.resume,
-                    init_state=build_model(preset.model_config(corpus.vocab_size), seed=seed).state_dict(),
-                )
+                job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
                 if args.resume:
                     step = CheckpointStore(args.out, arm.slug, seed, preset.workers).latest_step()
                     truncate_metrics(args.out / "metrics.jsonl", arm.label, seed, step if step > 0 else None)

@@ -98,6 +98,13 @@ class Job:
     vocab_size: int
     resume: bool
 
+    @classmethod
+    def create(cls, arm, seed, preset, corpus, out, resume) -> "Job":
+        """A job whose initial weights are the seed's fresh model: every arm starts from the same point."""
+        init = build_model(preset.model_config(corpus.vocab_size), seed=seed).state_dict()
+        return cls(arm=arm, seed=seed, preset=preset, corpus=corpus, init_state=init, out=out,
+                   vocab_size=corpus.vocab_size, resume=resume)
+
 
 def _all_reduce_gradients(model, backend) -> float:
     """DDP's gradient averaging, as one flat fp32 buffer through the same backend (bytes counted there)."""
