@@ -92,7 +92,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     @property
     def payload_nbytes(self) -> int:
         """Bytes this worker sends per collective (the buffer's size), known before any step."""
-        return self._layout(self._entries()).nbytes
+        return self.payload_layout.nbytes
 
     # -- step ------------------------------------------------------------------------------------
     @staticmethod
@@ -235,7 +235,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             self._finish(pending)
 
     def state_dict(self):
-        """As torch's, after ``flush()`` so that no started update is lost from the checkpoint."""
+        """As torch's, after ``flush()`` so that no started update is lost from the checkpoint.
+
+        In overlap mode this applies the pending update now rather than at the next step, so a run
+        that saves at step t follows a (slightly) different path than one that does not; resuming
+        from the checkpoint reproduces the saving run exactly."""
         self.flush()
         return super().state_dict()
 
