@@ -141,10 +141,9 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     def _update(self, group, p, direction, state):
         if self._inner is not None:
             return self._outer_update(group, p, direction, state)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
+        self._weight_decay(group, p)
         if group["update"] == "sign":
-            p.add_(direction.sign().to(p.dtype), alpha=-group["lr"])
-            return
+            return self._sign_step(group, p, direction)
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(direction)
             state["exp_avg_sq"] = torch.zeros_like(direction)

@@ -67,6 +67,17 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         """Apply the aggregated direction to ``p`` (weight decay included)."""
         raise NotImplementedError
 
+    @staticmethod
+    def _weight_decay(group, p) -> None:
+        """Decoupled weight decay, p *= 1 - lr * wd (skipped when wd = 0: no pass over p)."""
+        if group["weight_decay"] != 0:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+
+    @staticmethod
+    def _sign_step(group, p, direction) -> None:
+        """DeMo's update: p -= lr * sign(direction)."""
+        p.add_(direction.sign().to(p.dtype), alpha=-group["lr"])
+
     def _communicates_this_step(self, entries) -> bool:
         """False for a step that stays local (the local-step mode's inner steps)."""
         return True

@@ -59,5 +59,5 @@ class DeMo(DecoupledMomentumOptimizer):
         return group["lr"]
 
     def _update(self, group, p, direction, state):
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(direction.sign().to(p.dtype), alpha=-group["lr"])
+        self._weight_decay(group, p)
+        self._sign_step(group, p, direction)
