@@ -116,11 +116,14 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     def _outer_update(self, group, p, direction, state):
         mu = group["outer_momentum"]
         if mu > 0:
-            m = state.setdefault("outer_momentum_buffer", torch.zeros_like(direction))
+            if "outer_momentum_buffer" not in state:
+                state["outer_momentum_buffer"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
+            m = self._view(state["outer_momentum_buffer"], direction)
             m.mul_(mu).add_(direction)
             direction = direction + mu * m
-        state["anchor"].add_(direction, alpha=-group["outer_lr"])
-        p.copy_(state["anchor"])
+        anchor = self._view(state["anchor"], direction)
+        anchor.add_(direction, alpha=-group["outer_lr"])
+        self._view(p, direction).copy_(anchor)
 
     def state_dict(self):
         sd = super().state_dict()
@@ -141,16 +144,17 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     def _update(self, group, p, direction, state):
         if self._inner is not None:
             return self._outer_update(group, p, direction, state)
-        self._weight_decay(group, p)
+        target = self._view(p, direction)
+        self._weight_decay(group, target)
         if group["update"] == "sign":
-            return self._sign_step(group, p, direction)
+            return self._sign_step(group, target, direction)
         if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(direction)
-            state["exp_avg_sq"] = torch.zeros_like(direction)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
         beta1, beta2 = group["betas"]
         t = float(state["step"])
-        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m, v = self._view(state["exp_avg"], direction), self._view(state["exp_avg_sq"], direction)
         m.lerp_(direction, 1 - beta1)
         v.mul_(beta2).addcmul_(direction, direction, value=1 - beta2)
         denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-        p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / (1 - beta1**t))
+        target.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / (1 - beta1**t))

@@ -175,6 +175,10 @@ def aggregate(seg: Segment, contributions: list[tuple[torch.Tensor, torch.Tensor
     dev, dtype = like.device, like.dtype
     idx = torch.cat([i.to(dev) for i, _ in contributions], dim=1)
     values = torch.cat([v.to(device=dev, dtype=dtype) for _, v in contributions], dim=1)
-    count = torch.zeros(seg.num_chunks, seg.chunk_numel, dtype=dtype, device=dev)
-    count.scatter_add_(1, idx, torch.ones_like(values))
-    return idx, values / count.gather(1, idx)
+    m = idx.shape[1]
+    if m * m <= seg.chunk_numel:  # few values per chunk: count repeats pairwise, no dense pass
+        count = (idx.unsqueeze(2) == idx.unsqueeze(1)).sum(2).to(dtype)
+    else:
+        dense = torch.zeros(seg.num_chunks, seg.chunk_numel, dtype=dtype, device=dev)
+        count = dense.scatter_add_(1, idx, torch.ones_like(values)).gather(1, idx)
+    return idx, values / count

@@ -23,6 +23,7 @@ from distro_opt.comm import resolve_backend
 
 from .codec import PayloadLayout, aggregate, param_spec
 from .quant import PayloadError, value_codec
+from .select import topk_abs_indices
 from .transform import DCTTransform
 
 
@@ -57,6 +58,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
         self._transform = DCTTransform()
         self._layouts: dict[tuple, PayloadLayout] = {}
+        self._stacks: dict[int, list[torch.Tensor]] = {}  # per segment: two momentum buffers in turn
         self._pending = None
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -64,8 +66,16 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _update(self, group, p, direction: torch.Tensor, state) -> None:
-        """Apply the aggregated direction to ``p`` (weight decay included)."""
+        """Apply the aggregated direction to ``p`` (weight decay included).
+
+        ``direction`` comes in the transform's blocked layout (see ``DCTTransform.decode_many``);
+        ``p`` and its state tensors line up with it through ``self._view(t, direction)``."""
         raise NotImplementedError
+
+    @staticmethod
+    def _view(t: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+        """A parameter (or a parameter-shaped state tensor) viewed in ``direction``'s shape, no copy."""
+        return t.view(direction.shape)
 
     @staticmethod
     def _weight_decay(group, p) -> None:
@@ -75,8 +85,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _sign_step(group, p, direction) -> None:
-        """DeMo's update: p -= lr * sign(direction)."""
-        p.add_(direction.sign().to(p.dtype), alpha=-group["lr"])
+        """DeMo's update: p -= lr * sign(direction). ``direction`` is this step's own scratch tensor,
+        so its sign is taken in place."""
+        p.add_(direction.sign_().to(p.dtype), alpha=-group["lr"])
 
     def _communicates_this_step(self, entries) -> bool:
         """False for a step that stays local (the local-step mode's inner steps)."""
@@ -135,30 +146,58 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         to all of that chunk's coefficients, and top-k ranks NaN and inf first, so checking the kept
         values finds it without another pass over the gradients."""
         grad_scale = getattr(self, "grad_scale", None)
-        news = []
-        for (group, p), spec, x in zip(entries, layout.specs, inputs):
-            delta = self._state(p, spec)["delta"]
-            g = x.to(delta.dtype) if x is not None else torch.zeros(p.shape, dtype=delta.dtype, device=p.device)
-            if grad_scale is not None:
-                g = g / grad_scale.to(g.device)
-            new = self._transform.encode(g, spec.chunk).mul_(self._momentum_scale(group))
-            news.append(new.add_(delta, alpha=group["compression_decay"]))
-        parts, deltas = [], [None] * len(news)
+        parts, news = [], [None] * len(entries)
         finite = True
-        for seg in layout.segments:  # top-k and quantization of all same-shaped chunks at once
-            stack = news[seg.members[0]] if len(seg.members) == 1 else torch.cat([news[m] for m in seg.members])
-            idx = stack.abs().topk(seg.k, dim=1, sorted=False).indices
+        for j, seg in enumerate(layout.segments):
+            deltas = [self._state(entries[m][1], layout.specs[m])["delta"] for m in seg.members]
+            stack = self._spare_stack(j, seg, deltas)
+            for m, old, (start, end) in zip(seg.members, deltas, seg.rows):
+                group, x = entries[m][0], inputs[m]
+                g = x.to(old.dtype) if x is not None else torch.zeros(entries[m][1].shape, dtype=old.dtype, device=old.device)
+                if grad_scale is not None:
+                    g = g / grad_scale.to(g.device)
+                # new = scale * DCT(g) + decay * Delta, written chunk-major straight into the stack's rows
+                # in one pass over a view of the transform's output (no copy into the chunk-major layout)
+                coeffs = self._transform.chunk_major(self._transform.forward(g, seg.chunk), seg.chunk)
+                out, old = stack[start:end].view(coeffs.shape), old.view(coeffs.shape)
+                scale = self._momentum_scale(group)
+                if scale == 1.0:
+                    torch.add(coeffs, old, alpha=group["compression_decay"], out=out)
+                else:
+                    torch.mul(coeffs, scale, out=out).add_(old, alpha=group["compression_decay"])
+            # top-k and quantization of all the segment's chunks at once
+            idx = topk_abs_indices(stack, seg.k)
             kept = stack.gather(1, idx)
             finite &= bool(torch.isfinite(kept).all())
             vbytes, sent = value_codec(seg.bits).encode(kept)
             stack.scatter_add_(1, idx, -sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
-            for m, (start, end) in zip(seg.members, seg.rows):
-                deltas[m] = stack[start:end]
+            for m, old, (start, end) in zip(seg.members, deltas, seg.rows):
+                news[m] = stack[start:end].to(old.dtype)  # a view unless the segment mixes dtypes
         if not finite:
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
-        return parts, deltas
+        return parts, news
+
+    def _spare_stack(self, j, seg, deltas) -> torch.Tensor:
+        """Segment ``j``'s (chunks, coefficients) buffer for this step's new momentum.
+
+        Two buffers per segment take turns: the state holds views of one (the momentum committed
+        last step) while the step writes the other, so nothing in the state changes before the
+        step commits, and no step allocates (and page-faults) a model-sized tensor."""
+        dtype = deltas[0].dtype
+        for d in deltas[1:]:
+            dtype = torch.promote_types(dtype, d.dtype)
+        shape, device = (seg.num_chunks, seg.chunk_numel), deltas[0].device
+        pair = self._stacks.get(j)
+        if pair is None or pair[0].shape != shape or pair[0].dtype != dtype or pair[0].device != device:
+            pair = self._stacks[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+        in_use = {d.untyped_storage().data_ptr() for d in deltas}
+        for buf in pair:
+            if buf.untyped_storage().data_ptr() not in in_use:
+                return buf
+        pair = self._stacks[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+        return pair[0]
 
     def _decode_all(self, layout, bufs):
         decoded = []
@@ -187,9 +226,14 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 pieces = [(a, b, tuple(p.shape)) for p, (a, b) in zip(params, seg.rows)]
                 directions = self._transform.decode_many(idx, weights, seg.chunk, pieces)
             else:
-                directions = [torch.zeros(p.shape, dtype=st["delta"].dtype, device=p.device) for p, st in zip(params, states)]
+                directions = [
+                    torch.zeros(self._transform.blocked_shape(p.shape, seg.chunk), dtype=st["delta"].dtype, device=p.device)
+                    for p, st in zip(params, states)
+                ]
             for m, p, state, direction in zip(seg.members, params, states, directions):
                 state["step"] += 1  # applied updates: the same count on every worker
+                if not p.is_contiguous():  # no blocked view of p: bring the direction to p's layout
+                    direction = direction.reshape(p.shape)
                 self._update(entries[m][0], p, direction, state)
 
     def _finish(self, pending, before_apply=None):
@@ -258,6 +302,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         """As torch's, but buffers keep their saved dtype: torch would cast them to the parameter's
         dtype, and a bf16 model's float32 error-feedback buffer would lose its low bits."""
         self._pending = None
+        self._stacks = {}  # the loaded momentum may be views of these; start from fresh buffers
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         for index, saved in state_dict["state"].items():

@@ -59,5 +59,6 @@ class DeMo(DecoupledMomentumOptimizer):
         return group["lr"]
 
     def _update(self, group, p, direction, state):
-        self._weight_decay(group, p)
-        self._sign_step(group, p, direction)
+        target = self._view(p, direction)
+        self._weight_decay(group, target)
+        self._sign_step(group, target, direction)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distro_opt import DeMo, DisTrOAdamW, PayloadError
-from distro_opt.comm import InProcessBackend
+from distro_opt.comm import InProcessBackend, SingleWorkerBackend
 
 OPTIMIZERS = [DisTrOAdamW, DeMo]
 
@@ -237,3 +237,53 @@ def test_bf16_model_keeps_float32_buffers_across_resume():
     for p in model.parameters():
         assert fresh.state[p]["delta"].dtype == torch.float32
         assert torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"])
+
+
+class _CorruptingBackend(SingleWorkerBackend):
+    """One worker whose gather hands back a truncated second payload on the steps in ``bad_steps``."""
+
+    def __init__(self, bad_steps):
+        super().__init__()
+        self.bad_steps, self.calls = set(bad_steps), 0
+
+    def all_gather(self, buf):
+        self.calls += 1
+        out = super().all_gather(buf)
+        return out + [buf[:-1]] if self.calls in self.bad_steps else out + [buf]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_rejected_step_leaves_state_as_committed_and_training_continues_unharmed(cls):
+    """The momentum is written into a spare buffer and committed only after every payload is
+    validated: a rejected step changes nothing, and the run goes on as if it never happened."""
+    runs = {}
+    for name, bad in (("clean", ()), ("faulty", (3,))):
+        model = make_model()
+        opt = cls(model.parameters(), lr=0.01, comm=_CorruptingBackend(bad))
+        train(model, opt, 2)
+        if bad:
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            deltas = [opt.state[p]["delta"].clone() for p in model.parameters()]
+            x, y = batch(99)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            with pytest.raises(PayloadError, match="worker 1"):
+                opt.step()
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            assert all(torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model.parameters()))
+        train(model, opt, 3, start=2)
+        runs[name] = [p.detach().clone() for p in model.parameters()] + [opt.state[p]["delta"] for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(runs["clean"], runs["faulty"]))
+
+
+def test_segment_mixing_float64_and_float32_parameters_keeps_each_buffer_dtype():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).double())
+    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.step()
+    for p in model.parameters():
+        assert opt.state[p]["delta"].dtype == p.dtype
+        assert torch.isfinite(p).all()
