@@ -4,7 +4,9 @@ Reads the ``summary.json`` and ``config.json`` of one or more run directories wr
 ``python -m experiments.run`` and writes ``frontier.md`` (a table) and ``frontier.png`` into
 ``--out``. Each arm is one point: its mean final validation-loss gap to the run's AdamW arm (paired
 per seed) against what one worker sends per step relative to a dense bf16 gradient. Arms are
-grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo.
+grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo. When the runs differ in
+tokens per worker-step (``--batch-size``, ``--seq-len``), a second panel draws each arm's gap against
+it.
 
     python -m experiments.frontier runs/sweep-a runs/sweep-b --out runs/frontier
 """
@@ -56,13 +58,25 @@ def table(points: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def tokens_series(points: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Per arm label, its (tokens per worker-step, gap %) points sorted by tokens: how the gap moves
+    when each worker sees more tokens per step (only arms measured at two or more such values)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for p in points:
+        if p["mode"] != "adamw":
+            series.setdefault(p["arm"], []).append((p["tokens_per_worker_step"], p["gap_pct"]))
+    return {arm: sorted(pts) for arm, pts in series.items() if len({t for t, _ in pts}) > 1}
+
+
 def plot(points: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = tokens_series(points)
+    fig, axes = plt.subplots(1, 2 if series else 1, figsize=(12 if series else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
     for mode in sorted({p["mode"] for p in points} - {"adamw"}):
         pts = [p for p in points if p["mode"] == mode]
         ax.scatter([p["compression"] for p in pts], [p["gap_pct"] for p in pts], label=mode)
@@ -74,6 +88,16 @@ def plot(points: list[dict], path: Path) -> None:
     ax.set_ylabel("final val loss gap vs AdamW (%)")
     ax.set_title("Loss vs traffic frontier")
     ax.legend(fontsize=7)
+    if series:
+        ax = axes[0][1]
+        for arm, pts in series.items():
+            ax.plot([t for t, _ in pts], [g for _, g in pts], marker="o", label=arm)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per worker-step (log)")
+        ax.set_ylabel("final val loss gap vs AdamW (%)")
+        ax.set_title("Gap vs tokens per worker-step")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -42,3 +42,15 @@ def test_frontier_refuses_to_overwrite_and_rejects_unfinished_runs(tmp_path, cap
     (tmp_path / "empty").mkdir()
     assert frontier.main([str(tmp_path / "empty"), "--out", str(tmp_path / "out2")]) == 2
     assert "not a finished run directory" in capsys.readouterr().err
+
+
+def test_gap_against_tokens_per_worker_step_follows_each_arm_across_runs(tmp_path):
+    for batch, gap in ((4, 17.0), (32, 6.0)):
+        write_run(tmp_path / f"b{batch}", [("adamw", "adamw", {}, 0.0, 0.5), ("distro", "distro", {}, gap, 920.0)])
+        config = json.loads((tmp_path / f"b{batch}" / "config.json").read_text())
+        config["preset"]["batch_size"] = batch
+        (tmp_path / f"b{batch}" / "config.json").write_text(json.dumps(config))
+    points = [p for b in (32, 4) for p in frontier.load_points(tmp_path / f"b{b}")]
+    assert frontier.tokens_series(points) == {"distro": [(512, 17.0), (4096, 6.0)]}
+    assert frontier.main([str(tmp_path / "b4"), str(tmp_path / "b32"), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
