@@ -88,6 +88,11 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             self._skip_empty_steps = False  # a sync resets every worker to the anchor, contributions or not
             self._inner = (inner_optimizer or default_inner_optimizer)(self.param_groups)
 
+    def _check_group(self, group) -> None:
+        super()._check_group(group)
+        if group["update"] not in UPDATES:
+            raise ValueError(f"Invalid update: {group['update']!r} (expected one of {UPDATES})")
+
     def _momentum_scale(self, group):
         return 1.0
 

@@ -61,6 +61,18 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self._stacks: dict[int, list[torch.Tensor]] = {}  # per segment: two momentum buffers in turn
         self._pending = None
 
+    def add_param_group(self, param_group) -> None:
+        """As torch's, then the group's own settings are validated like the constructor's, so a bad
+        per-group value fails here rather than silently doing something else at the first step."""
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1])
+
+    def _check_group(self, group) -> None:
+        check_hyperparameters(
+            group["lr"], group["weight_decay"], group["compression_decay"], group["compression_topk"],
+            group["compression_chunk"], group["compression_bits"],
+        )
+
     # -- hooks -----------------------------------------------------------------------------------
     def _momentum_scale(self, group) -> float:
         raise NotImplementedError

@@ -4,6 +4,11 @@ Syntax: arms are comma-separated; an arm is ``kind`` or ``kind:key=value,key=val
 (``adamw``, ``distro``, ``demo``, ``distro:topk=8,bits=2``). A comma followed by ``key=value`` continues
 the previous arm's options. Keys are the optimizer's keyword arguments, or the short names in
 ``ALIASES``. Unknown kinds and options are errors, so a typo never silently runs the default.
+
+Per-parameter-kind settings: ``PART.key=value`` sets a param-group hyperparameter (lr, update,
+topk, bits, ...) for one kind of parameter only, e.g. ``distro:embed.update=adam,norm.lr=0.0003``.
+``PART`` is ``embed`` (parameters whose name contains "embed"), ``norm`` (other 1-D parameters: norm
+gains, biases) or ``matrix`` (the rest); each kind becomes its own param group.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ ALIASES = {
     "wd": "weight_decay",
 }
 KINDS = ("adamw", "distro", "demo")
+PARTS = ("embed", "norm", "matrix")
 _NOT_OPTIONS = {"self", "params", "comm", "process_group"}
 
 
@@ -46,6 +52,18 @@ def _optimizer_class(kind: str):
 
 def _allowed_options(kind: str) -> set[str]:
     return set(inspect.signature(_optimizer_class(kind).__init__).parameters) - _NOT_OPTIONS
+
+
+def _group_keys(kind: str) -> set[str]:
+    """Hyperparameters that live in param groups (what a per-kind setting may change)."""
+    return set(_optimizer_class(kind)([torch.nn.Parameter(torch.zeros(1))]).defaults)
+
+
+def param_part(name: str, p: torch.Tensor) -> str:
+    """The kind of a named parameter for per-kind settings: embed, norm (1-D) or matrix."""
+    if "embed" in name:
+        return "embed"
+    return "norm" if p.dim() <= 1 else "matrix"
 
 
 def _parse_value(text: str):
@@ -91,6 +109,16 @@ def _parse_arm(label: str) -> Arm:
         key, eq, value = item.partition("=")
         if not eq or not value:
             raise ValueError(f"Invalid option {item!r} of arm {label!r} (expected key=value)")
+        part, dot, sub = key.rpartition(".")
+        if dot:
+            name = ALIASES.get(sub, sub)
+            if part not in PARTS or name not in _group_keys(kind):
+                raise ValueError(
+                    f"Unknown per-kind option {key!r} for arm {kind!r} (expected PART.key with PART in "
+                    f"{', '.join(PARTS)} and key one of {', '.join(sorted(_group_keys(kind)))})"
+                )
+            options[f"{part}.{name}"] = _parse_value(value)
+            continue
         name = ALIASES.get(key, key)
         if name not in allowed:
             raise ValueError(
@@ -111,21 +139,43 @@ def optimizer_kwargs(arm: Arm, preset) -> dict:
         "weight_decay": preset.weight_decay,
     }
     kwargs = {k: v for k, v in base.items() if k in allowed}
-    kwargs.update(arm.options)
+    kwargs.update({k: v for k, v in arm.options.items() if "." not in k})
     return kwargs
 
 
-def build_optimizer(arm: Arm, params, preset, backend):
-    """The arm's optimizer over ``params``. AdamW's gradient all-reduce is the runner's job."""
+def param_groups(arm: Arm, named_params) -> list[dict]:
+    """One group per parameter kind, with the arm's ``PART.key`` settings; one plain group when the
+    arm has none. ``named_params`` are (name, parameter) pairs, e.g. ``model.named_parameters()``."""
+    named = list(named_params)
+    per_part = {}
+    for key, value in arm.options.items():
+        part, dot, name = key.partition(".")
+        if dot:
+            per_part.setdefault(part, {})[name] = value
+    if not per_part:
+        return [{"params": [p for _, p in named]}]
+    groups = []
+    for part in PARTS:
+        params = [p for n, p in named if param_part(n, p) == part]
+        if params:
+            groups.append({"params": params, **per_part.get(part, {})})
+    return groups
+
+
+def build_optimizer(arm: Arm, named_params, preset, backend):
+    """The arm's optimizer over ``named_params`` ((name, parameter) pairs). AdamW's gradient
+    all-reduce is the runner's job."""
     kwargs = optimizer_kwargs(arm, preset)
+    groups = param_groups(arm, named_params)
     if arm.kind == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
-    return _optimizer_class(arm.kind)(params, comm=backend, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
+    return _optimizer_class(arm.kind)(groups, comm=backend, **kwargs)
 
 
 def check_arm(arm: Arm, preset) -> None:
     """Build the arm's optimizer on a dummy parameter, so bad option values fail before any training."""
     try:
-        build_optimizer(arm, [torch.nn.Parameter(torch.zeros(2, 2))], preset, SingleWorkerBackend())
+        dummies = [("embed.weight", torch.zeros(4, 2)), ("norm.weight", torch.zeros(2)), ("w", torch.zeros(2, 2))]
+        build_optimizer(arm, [(n, torch.nn.Parameter(t)) for n, t in dummies], preset, SingleWorkerBackend())
     except (TypeError, ValueError) as exc:
         raise ValueError(f"Invalid arm {arm.label!r}: {exc}") from None

@@ -65,7 +65,7 @@ def payload_nbytes(arm, preset) -> int:
     """The optimizer's payload for the preset's model, built on the meta device."""
     with torch.device("meta"):
         model = Transformer(preset.model_config())
-    opt = build_optimizer(arm, list(model.parameters()), preset, SingleWorkerBackend())
+    opt = build_optimizer(arm, list(model.named_parameters()), preset, SingleWorkerBackend())
     return int(opt.payload_nbytes)
 
 

@@ -161,7 +161,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
     model = build_model(p.model_config(job.vocab_size), seed=job.seed)
     model.load_state_dict(job.init_state)  # identical replicas, whatever the thread interleaving
     model.to(device).train()
-    opt = build_optimizer(job.arm, model.parameters(), p, backend)
+    opt = build_optimizer(job.arm, model.named_parameters(), p, backend)
     base_lrs = [g["lr"] for g in opt.param_groups]
     store = CheckpointStore(job.out, job.arm.slug, job.seed, world)
     state = {"step": 0, "sent": 0, "received": 0, "collectives": 0, "wall_s": 0.0}

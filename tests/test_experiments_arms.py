@@ -43,6 +43,41 @@ def test_arm_options_override_the_preset_hyperparameters():
     import torch
 
     (arm,) = parse_arms("distro:lr=0.01,wd=0")
-    opt = build_optimizer(arm, [torch.nn.Parameter(torch.zeros(4, 4))], get_preset("smoke"), None)
+    opt = build_optimizer(arm, [("w", torch.nn.Parameter(torch.zeros(4, 4)))], get_preset("smoke"), None)
     group = opt.param_groups[0]
     assert group["lr"] == 0.01 and group["weight_decay"] == 0 and group["betas"] == (0.9, 0.95)
+
+
+def test_per_kind_options_make_one_param_group_per_kind():
+    import torch
+
+    from distro_opt.experiments.model import build_model
+
+    (arm,) = parse_arms("distro:topk=8,embed.update=adam,norm.lr=0.0003,matrix.bits=2")
+    assert arm.options == {"compression_topk": 8, "embed.update": "adam", "norm.lr": 0.0003, "matrix.compression_bits": 2}
+    preset = get_preset("smoke")
+    model = build_model(preset.model_config(), seed=0)
+    opt = build_optimizer(arm, model.named_parameters(), preset, None)
+    embed, norm, matrix = opt.param_groups
+    assert embed["params"] == [model.embed.weight] and embed["update"] == "adam" and embed["lr"] == preset.lr
+    assert all(p.dim() == 1 for p in norm["params"]) and norm["lr"] == 0.0003 and norm["update"] == "sign"
+    assert all(p.dim() == 2 for p in matrix["params"]) and matrix["compression_bits"] == 2
+    assert all(g["compression_topk"] == 8 for g in opt.param_groups)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    torch.testing.assert_close(sum(p.numel() for g in opt.param_groups for p in g["params"]),
+                               sum(p.numel() for p in model.parameters()))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("distro:head.lr=0.1", "Unknown per-kind option 'head.lr'"),
+    ("distro:embed.sync_every=8", "Unknown per-kind option 'embed.sync_every'"),
+])
+def test_unknown_per_kind_option_is_an_error_naming_it(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_arms(text)
+
+
+def test_invalid_per_kind_value_fails_before_training():
+    (arm,) = parse_arms("distro:norm.update=momentum")
+    with pytest.raises(ValueError, match="Invalid arm"):
+        check_arm(arm, get_preset("smoke"))

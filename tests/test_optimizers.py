@@ -287,3 +287,15 @@ def test_segment_mixing_float64_and_float32_parameters_keeps_each_buffer_dtype()
     for p in model.parameters():
         assert opt.state[p]["delta"].dtype == p.dtype
         assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("group, message", [
+    (dict(update="momentum"), "Invalid update: 'momentum'"),
+    (dict(compression_topk=0), "Invalid compression_topk value: 0"),
+    (dict(lr=-0.5), "Invalid learning rate: -0.5"),
+])
+def test_per_group_settings_are_validated_like_the_constructor(group, message):
+    model = make_model()
+    first, *rest = list(model.parameters())
+    with pytest.raises(ValueError, match=message):
+        DisTrOAdamW([{"params": [first]}, {"params": rest, **group}])
