@@ -3,7 +3,8 @@
 Reads the ``summary.json`` and ``config.json`` of one or more run directories written by
 ``python -m experiments.run`` and writes ``frontier.md`` (a table) and ``frontier.png`` into
 ``--out``. Each arm is one point: its mean final validation-loss gap to the run's AdamW arm (paired
-per seed) against what one worker sends per step relative to a dense bf16 gradient. Arms are
+per seed) against what one worker sends per step relative to a dense bf16 gradient. A run without
+an AdamW arm is paired with the AdamW arm of another run given that trained with the same settings. Arms are
 grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo. When the runs differ in
 tokens per worker-step (``--batch-size``, ``--seq-len``), a second panel draws each arm's gap against
 it.
@@ -24,6 +25,10 @@ def mode_of(arm: dict) -> str:
     return "distro local steps" if int(arm["options"].get("sync_every", 1)) > 1 else "distro per step"
 
 
+# Preset fields that do not change what an arm learns: runs that differ only in these share an AdamW.
+_NOT_TRAINING = {"name", "arms", "seeds", "eval_every", "checkpoint_every", "torch_threads", "timeout_s"}
+
+
 def load_points(run_dir: Path) -> list[dict]:
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -32,6 +37,7 @@ def load_points(run_dir: Path) -> list[dict]:
         raise ValueError(f"{run_dir} is not a finished run directory ({exc})") from None
     preset = config["preset"]
     tokens_per_worker_step = preset["batch_size"] * preset["seq_len"]
+    setting = json.dumps({k: v for k, v in preset.items() if k not in _NOT_TRAINING}, sort_keys=True)
     arms = {a["label"]: a for a in config["arms"]}
     points = []
     for label, result in summary["arms"].items():
@@ -40,7 +46,27 @@ def load_points(run_dir: Path) -> list[dict]:
             steps=preset["steps"], tokens_per_worker_step=tokens_per_worker_step,
             val_loss=result["final_val_loss_mean"], gap_pct=result["gap_vs_adamw_pct_mean"],
             gap_per_seed=result["gap_vs_adamw_pct_per_seed"], compression=result["compression_vs_dense_bf16"],
+            setting=setting, reference=summary.get("reference"),
+            loss_per_seed={s: v["final_val_loss"] for s, v in result["per_seed"].items()},
         ))
+    return points
+
+
+def pair_with_adamw(points: list[dict]) -> list[dict]:
+    """Give arms of runs without an AdamW arm the gap to an AdamW arm of another run given, trained
+    with the same settings and seeds (runs are deterministic per seed, so AdamW need not run twice).
+    Arms with no such AdamW keep ``gap_pct`` None."""
+    adamw: dict[str, dict[str, float]] = {}
+    for p in points:
+        if p["mode"] == "adamw" and (p["reference"] in (None, p["arm"])):
+            adamw.setdefault(p["setting"], {}).update(p["loss_per_seed"])
+    for p in points:
+        if p["gap_pct"] is not None:
+            continue
+        ref = adamw.get(p["setting"], {})
+        gaps = [100.0 * (loss / ref[s] - 1) for s, loss in p["loss_per_seed"].items() if s in ref]
+        if gaps:
+            p["gap_per_seed"], p["gap_pct"] = gaps, sum(gaps) / len(gaps)
     return points
 
 
@@ -53,8 +79,9 @@ def table(points: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(points, key=lambda p: (p["run"], p["mode"], -p["compression"])):
         per_seed = ", ".join(f"{g:+.1f}%" for g in p["gap_per_seed"])
+        gap = "no AdamW run with these settings" if p["gap_pct"] is None else f"{p['gap_pct']:+.1f}% ({per_seed})"
         lines.append(f"| {p['run']} | `{p['arm']}` | {p['mode']} | {p['tokens_per_worker_step']} | {p['steps']} | "
-                     f"{p['seeds']} | {p['val_loss']:.3f} | {p['gap_pct']:+.1f}% ({per_seed}) | {_ratio(p['compression'])} |")
+                     f"{p['seeds']} | {p['val_loss']:.3f} | {gap} | {_ratio(p['compression'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -63,7 +90,7 @@ def tokens_series(points: list[dict]) -> dict[str, list[tuple[int, float]]]:
     when each worker sees more tokens per step (only arms measured at two or more such values)."""
     series: dict[str, list[tuple[int, float]]] = {}
     for p in points:
-        if p["mode"] != "adamw":
+        if p["mode"] != "adamw" and p["gap_pct"] is not None:
             series.setdefault(p["arm"], []).append((p["tokens_per_worker_step"], p["gap_pct"]))
     return {arm: sorted(pts) for arm, pts in series.items() if len({t for t, _ in pts}) > 1}
 
@@ -75,6 +102,7 @@ def plot(points: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     series = tokens_series(points)
+    points = [p for p in points if p["gap_pct"] is not None]
     fig, axes = plt.subplots(1, 2 if series else 1, figsize=(12 if series else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     for mode in sorted({p["mode"] for p in points} - {"adamw"}):
@@ -113,7 +141,7 @@ def main(argv=None) -> int:
         print(f"error: {args.out} already holds a frontier; pass --force to replace it", file=sys.stderr)
         return 2
     try:
-        points = [p for run in args.runs for p in load_points(run)]
+        points = pair_with_adamw([p for run in args.runs for p in load_points(run)])
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

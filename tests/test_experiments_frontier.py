@@ -1,18 +1,26 @@
 """experiments.frontier turns run summaries into a gap-vs-compression table and plot."""
 import json
 
+import pytest
+
 from distro_opt.experiments import frontier
 
 
-def write_run(path, arms):
-    """A finished run directory with the fields experiments.run writes (two seeds per arm)."""
+def write_run(path, arms, seeds=(0, 1), steps=300):
+    """A finished run directory with the fields experiments.run writes (a per-seed gap of gap -+ 0.5)."""
     path.mkdir()
-    config = {"preset": {"batch_size": 4, "seq_len": 128, "steps": 300},
+    config = {"preset": {"batch_size": 4, "seq_len": 128, "steps": steps, "seeds": ",".join(map(str, seeds))},
               "arms": [{"label": label, "kind": kind, "options": opts} for label, kind, opts, _, _ in arms]}
-    summary = {"arms": {label: {"seeds": [0, 1], "final_val_loss_mean": 5.0 * (1 + gap / 100),
-                                "gap_vs_adamw_pct_mean": gap, "gap_vs_adamw_pct_per_seed": [gap - 0.5, gap + 0.5],
-                                "compression_vs_dense_bf16": ratio}
-                        for label, _, _, gap, ratio in arms}}
+    has_adamw = any(kind == "adamw" for _, kind, _, _, _ in arms)
+    summary = {"reference": "adamw" if has_adamw else None, "arms": {}}
+    for label, _, _, gap, ratio in arms:
+        per_seed = {str(s): {"final_val_loss": 5.0 * (1 + (gap + (0.5 if i else -0.5) * (len(seeds) > 1)) / 100)}
+                    for i, s in enumerate(seeds)}
+        summary["arms"][label] = {
+            "seeds": list(seeds), "final_val_loss_mean": 5.0 * (1 + gap / 100), "per_seed": per_seed,
+            "gap_vs_adamw_pct_mean": gap if has_adamw else None,
+            "gap_vs_adamw_pct_per_seed": [gap - 0.5, gap + 0.5] if has_adamw else [],
+            "compression_vs_dense_bf16": ratio}
     (path / "config.json").write_text(json.dumps(config))
     (path / "summary.json").write_text(json.dumps(summary))
 
@@ -54,3 +62,17 @@ def test_gap_against_tokens_per_worker_step_follows_each_arm_across_runs(tmp_pat
     assert frontier.tokens_series(points) == {"distro": [(512, 17.0), (4096, 6.0)]}
     assert frontier.main([str(tmp_path / "b4"), str(tmp_path / "b32"), "--out", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
+
+
+def test_run_without_adamw_is_paired_with_the_adamw_of_a_run_with_the_same_settings(tmp_path):
+    write_run(tmp_path / "base", [("adamw", "adamw", {}, 0.0, 0.5), ("distro", "distro", {}, 20.0, 920.0)])
+    write_run(tmp_path / "extra", [("distro:lr=0.0003", "distro", {}, 10.0, 920.0)], seeds=(0,))
+    write_run(tmp_path / "longer", [("distro:lr=0.002", "distro", {}, 10.0, 920.0)], seeds=(0,), steps=3000)
+    points = frontier.pair_with_adamw(
+        [p for run in ("base", "extra", "longer") for p in frontier.load_points(tmp_path / run)])
+    by_arm = {p["arm"]: p for p in points}
+    # seed 0: 5.0 * 1.10 (extra's loss) against AdamW's 5.0 * 0.995
+    assert by_arm["distro:lr=0.0003"]["gap_per_seed"] == [pytest.approx(100 * (1.10 / 0.995 - 1))]
+    assert by_arm["distro:lr=0.002"]["gap_pct"] is None  # 3000 steps: no AdamW trained like it
+    assert frontier.main([str(tmp_path / r) for r in ("base", "extra", "longer")] + ["--out", str(tmp_path / "out")]) == 0
+    assert "no AdamW run with these settings" in (tmp_path / "out" / "frontier.md").read_text()

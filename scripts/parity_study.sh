@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 6's parity study, end to end: every run behind the README's "Parity study" tables, then the
+# frontier tables and plots. Hours of CPU on a 2-core machine (the parity-preset runs take 15-20 min
+# per arm and seed). Runs that already finished are skipped; an interrupted one resumes.
+#
+#   bash scripts/parity_study.sh [OUT]      # OUT defaults to runs/study
+#
+# Needs the set-up of the README (scripts/setup.sh, python -m experiments.prepare) and, for the
+# second corpus, network access to PyPI once (pip download of the brotli sdist, whose test data
+# holds three Canterbury-corpus texts: Alice in Wonderland, Paradise Lost, a technical lecture).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=${1:-runs/study}
+LOCAL="distro:sync_every=8,topk=64,bits=2"
+mkdir -p "$OUT"
+
+run() {  # run NAME ARGS...: one experiments.run into $OUT/NAME, unless it already finished
+    local name=$1
+    shift
+    if [ -f "$OUT/$name/summary.json" ]; then
+        echo "== $name: done already"
+    elif [ -d "$OUT/$name" ]; then
+        "$PY" -m experiments.run --no-progress --out "$OUT/$name" "$@" --resume
+    else
+        "$PY" -m experiments.run --no-progress --out "$OUT/$name" "$@"
+    fi
+}
+
+# 1. Tokens per worker-step at a fixed budget (4 workers x 4,800 sequences of 128 tokens each).
+run tok-b4 --preset smoke --batch-size 4 --steps 1200 --warmup-steps 120 --eval-every 100 --arms "adamw,distro,$LOCAL"
+run tok-b16 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 --arms "adamw,distro,$LOCAL"
+run tok-b64 --preset smoke --batch-size 64 --steps 75 --warmup-steps 8 --eval-every 25 --arms "adamw,distro,$LOCAL"
+run tok-b64-seed1 --preset smoke --batch-size 64 --steps 75 --warmup-steps 8 --eval-every 25 --seeds 1 --arms "adamw,distro,$LOCAL"
+# 2. Local steps at >= 5000x less traffic than a dense bf16 gradient.
+run tok-b16-5k --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
+    --arms "adamw,distro:sync_every=16,topk=12,bits=2,distro:sync_every=32,topk=24,bits=2"
+# 3. Knobs of the per-step mode at the same bytes (smoke preset, 300 steps).
+run knobs --preset smoke \
+    --arms "adamw,distro,distro:decay=0.99,distro:decay=0.9,distro:decay=0.8,distro:decay=0.5,distro:decay=0.0,distro:embed.update=adam"
+# 4. The parity preset (3000 steps): defaults on two seeds, then single-seed checks of local steps,
+#    a lower compression decay and the sign step's learning rate.
+run parity --preset parity --arms "adamw,distro"
+run parity-local --preset parity --seeds 0 --arms "$LOCAL"
+run parity-lr --preset parity --seeds 0 --arms "distro:lr=0.0003,distro:lr=0.002"
+# 5. Text the study never saw: three Canterbury-corpus texts (Shakespeare's asyoulik.txt left out).
+CORPUS="$OUT/corpus-canterbury"
+if [ ! -f "$CORPUS/alice29.txt" ]; then
+    mkdir -p "$OUT/downloads" "$CORPUS"
+    "$PY" -m pip download --no-deps --no-binary :all: brotli==1.2.1 -d "$OUT/downloads"
+    "$PY" - "$OUT/downloads/brotli-1.2.1.tar.gz" "$CORPUS" <<'PY'
+import sys, tarfile
+from pathlib import Path
+
+with tarfile.open(sys.argv[1]) as sdist:
+    for name in ("alice29.txt", "plrabn12.txt", "lcet10.txt"):
+        data = sdist.extractfile(f"brotli-1.2.1/tests/testdata/{name}").read()
+        (Path(sys.argv[2]) / name).write_bytes(data)
+PY
+fi
+"$PY" -m experiments.prepare --corpus "$CORPUS"
+run canterbury-b4 --preset smoke --corpus "$CORPUS" --arms "adamw,distro,$LOCAL"
+# 6. The frontiers: gap vs compression (and vs tokens per worker-step for the tok-* runs).
+"$PY" -m experiments.frontier "$OUT"/tok-b4 "$OUT"/tok-b16 "$OUT"/tok-b64 "$OUT"/tok-b16-5k --out "$OUT/frontier-tokens" --force
+"$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/knobs "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \
+    --out "$OUT/frontier" --force
