@@ -38,11 +38,17 @@ run tok-b16-5k --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --ev
 # 3. Knobs of the per-step mode at the same bytes (smoke preset, 300 steps).
 run knobs --preset smoke \
     --arms "adamw,distro,distro:decay=0.99,distro:decay=0.9,distro:decay=0.8,distro:decay=0.5,distro:decay=0.0,distro:embed.update=adam"
-# 4. The parity preset (3000 steps): defaults on two seeds, then single-seed checks of local steps,
-#    a lower compression decay and the sign step's learning rate.
+run sweep --preset smoke --eval-batches 8 \
+    --arms "adamw,distro,distro:update=adam,distro:lr=0.0003,demo,$LOCAL,distro:sync_every=32,topk=128,bits=2"
+run smoke-b32 --preset smoke --batch-size 32 --arms "adamw,distro,$LOCAL"
+# 4. The parity preset (3000 steps): defaults and the sign step at lr 2e-3 on two seeds; single-seed
+#    checks of local steps, a lower lr and a lower compression decay.
 run parity --preset parity --arms "adamw,distro"
 run parity-local --preset parity --seeds 0 --arms "$LOCAL"
-run parity-lr --preset parity --seeds 0 --arms "distro:lr=0.0003,distro:lr=0.002"
+run parity-lr --preset parity --arms "distro:lr=0.002"
+run parity-lr-high --preset parity --seeds 0 --arms "distro:lr=0.004"
+run parity-lr-low --preset parity --seeds 0 --arms "distro:lr=0.0003"
+run parity-decay --preset parity --seeds 0 --arms "distro:decay=0.9"
 # 5. Text the study never saw: three Canterbury-corpus texts (Shakespeare's asyoulik.txt left out).
 CORPUS="$OUT/corpus-canterbury"
 if [ ! -f "$CORPUS/alice29.txt" ]; then
@@ -62,5 +68,6 @@ fi
 run canterbury-b4 --preset smoke --corpus "$CORPUS" --arms "adamw,distro,$LOCAL"
 # 6. The frontiers: gap vs compression (and vs tokens per worker-step for the tok-* runs).
 "$PY" -m experiments.frontier "$OUT"/tok-b4 "$OUT"/tok-b16 "$OUT"/tok-b64 "$OUT"/tok-b16-5k --out "$OUT/frontier-tokens" --force
-"$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/knobs "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \
+"$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/knobs "$OUT"/sweep \
+    "$OUT"/smoke-b32 "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \
     --out "$OUT/frontier" --force
