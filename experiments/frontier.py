@@ -105,11 +105,13 @@ def plot(points: list[dict], path: Path) -> None:
     points = [p for p in points if p["gap_pct"] is not None]
     fig, axes = plt.subplots(1, 2 if series else 1, figsize=(12 if series else 7, 4.5), squeeze=False)
     ax = axes[0][0]
+    several_runs = len({p["run"] for p in points}) > 1
     for mode in sorted({p["mode"] for p in points} - {"adamw"}):
         pts = [p for p in points if p["mode"] == mode]
         ax.scatter([p["compression"] for p in pts], [p["gap_pct"] for p in pts], label=mode)
         for p in pts:
-            ax.annotate(p["arm"], (p["compression"], p["gap_pct"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            text = f"{p['arm']} [{p['run']}]" if several_runs else p["arm"]  # one arm, several runs: tell them apart
+            ax.annotate(text, (p["compression"], p["gap_pct"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8, label="1% gap target")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per worker per step: dense bf16 gradient / arm (x, log)")
