@@ -201,15 +201,15 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         for d in deltas[1:]:
             dtype = torch.promote_types(dtype, d.dtype)
         shape, device = (seg.num_chunks, seg.chunk_numel), deltas[0].device
-        pair = self._stacks.get(j)
-        if pair is None or pair[0].shape != shape or pair[0].dtype != dtype or pair[0].device != device:
-            pair = self._stacks[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
         in_use = {d.untyped_storage().data_ptr() for d in deltas}
-        for buf in pair:
-            if buf.untyped_storage().data_ptr() not in in_use:
-                return buf
-        pair = self._stacks[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
-        return pair[0]
+        pair = self._stacks.get(j)
+        if (
+            pair is None
+            or (pair[0].shape, pair[0].dtype, pair[0].device) != (shape, dtype, device)
+            or all(buf.untyped_storage().data_ptr() in in_use for buf in pair)
+        ):  # fresh buffers: no state tensor can be a view of them
+            pair = self._stacks[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+        return next(buf for buf in pair if buf.untyped_storage().data_ptr() not in in_use)
 
     def _decode_all(self, layout, bufs):
         decoded = []

@@ -19,6 +19,7 @@ import torch
 # ~2x faster than torch's batched GEMM for 4 per 64x64 chunk on CPU, slower beyond ~8).
 SUM_OUTER_MAX = 8
 
+
 def chunk_size(n: int, target: int) -> int:
     """The largest divisor of ``n`` that is <= ``target`` (``n`` itself when ``n <= target``)."""
     if n <= target:
@@ -113,7 +114,7 @@ class DCTTransform:
     def blocked(cls, y: torch.Tensor, full: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
         """Chunk-major rows (num_chunks, ...) as a view of shape ``blocked_shape(full, chunk)``."""
         d = len(chunk)
-        blocks = [n // c for n, c in zip(full, chunk)]
+        blocks = cls.blocked_shape(full, chunk)[0::2]
         order = [i for pair in zip(range(d), range(d, 2 * d)) for i in pair]  # b1, c1, b2, c2, ...
         return y.reshape(*blocks, *chunk).permute(*order)
 

@@ -55,8 +55,10 @@ def _allowed_options(kind: str) -> set[str]:
 
 
 def _group_keys(kind: str) -> set[str]:
-    """Hyperparameters that live in param groups (what a per-kind setting may change)."""
-    return set(_optimizer_class(kind)([torch.nn.Parameter(torch.zeros(1))]).defaults)
+    """Hyperparameters that live in param groups (what a per-kind setting may change). A local
+    backend: asking must not touch an initialized torch.distributed default group."""
+    comm = {} if kind == "adamw" else {"comm": SingleWorkerBackend()}
+    return set(_optimizer_class(kind)([torch.nn.Parameter(torch.zeros(1))], **comm).defaults)
 
 
 def param_part(name: str, p: torch.Tensor) -> str:
@@ -111,11 +113,11 @@ def _parse_arm(label: str) -> Arm:
             raise ValueError(f"Invalid option {item!r} of arm {label!r} (expected key=value)")
         part, dot, sub = key.rpartition(".")
         if dot:
-            name = ALIASES.get(sub, sub)
-            if part not in PARTS or name not in _group_keys(kind):
+            name, keys = ALIASES.get(sub, sub), _group_keys(kind)
+            if part not in PARTS or name not in keys:
                 raise ValueError(
                     f"Unknown per-kind option {key!r} for arm {kind!r} (expected PART.key with PART in "
-                    f"{', '.join(PARTS)} and key one of {', '.join(sorted(_group_keys(kind)))})"
+                    f"{', '.join(PARTS)} and key one of {', '.join(sorted(keys))})"
                 )
             options[f"{part}.{name}"] = _parse_value(value)
             continue

@@ -58,7 +58,7 @@ def pair_with_adamw(points: list[dict]) -> list[dict]:
     Arms with no such AdamW keep ``gap_pct`` None."""
     adamw: dict[str, dict[str, float]] = {}
     for p in points:
-        if p["mode"] == "adamw" and (p["reference"] in (None, p["arm"])):
+        if p["mode"] == "adamw" and p["arm"] == p["reference"]:
             adamw.setdefault(p["setting"], {}).update(p["loss_per_seed"])
     for p in points:
         if p["gap_pct"] is not None:
