@@ -1,6 +1,7 @@
 """DisTrOAdamW: a drop-in for torch.optim.AdamW that exchanges a compressed decoupled momentum."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -117,6 +118,37 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         if self._inner is None:
             return super()._inputs(entries)
         return [self.state[p]["anchor"] - p.detach().to(self.state[p]["anchor"].dtype) for _, p in entries]
+
+    @contextlib.contextmanager
+    def synced_parameters(self):
+        """Within the block every parameter holds the model all workers agree on; on exit each gets
+        its own value back, bit for bit.
+
+        In the local-step mode that is the anchor: the parameters of the last sync, after its outer
+        update (before the first sync: the starting point). Between syncs each worker's parameters
+        drift toward its own data, so evaluate or export the global model inside this block::
+
+            with opt.synced_parameters():
+                val_loss = evaluate(model)
+
+        In the per-step mode the workers' parameters are already identical: nothing changes.
+        """
+        if self._inner is None:
+            yield
+            return
+        swapped = []
+        with torch.no_grad():
+            for _, p in self._entries():
+                anchor = self.state[p].get("anchor")
+                if anchor is not None:
+                    swapped.append((p, p.detach().clone()))
+                    p.copy_(anchor)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, local in swapped:
+                    p.copy_(local)
 
     def _outer_update(self, group, p, direction, state):
         mu = group["outer_momentum"]

@@ -8,6 +8,7 @@ DisTrOAdamW / DeMo all-gather their compressed payloads inside ``step()``. Bytes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -138,7 +139,16 @@ def _count_bytes(backend, state: dict, last: tuple, step: int):
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, autocast) -> float:
+def evaluate(model, batches, device, autocast, opt=None) -> float:
+    """Mean loss over ``batches``. With a local-step optimizer, of the synced model (the last sync's
+    anchor, the same on every worker), not of this worker's replica, which drifts toward its own
+    shard between syncs."""
+    synced = getattr(opt, "synced_parameters", None)
+    with synced() if synced is not None else contextlib.nullcontext():
+        return _mean_loss(model, batches, device, autocast)
+
+
+def _mean_loss(model, batches, device, autocast) -> float:
     was_training = model.training
     model.eval()
     total = 0.0
@@ -179,7 +189,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
         sink.row(
             step=0,
             train_loss=None,
-            val_loss=evaluate(model, val, device, autocast),
+            val_loss=evaluate(model, val, device, autocast, opt),
             lr=0.0,
             tokens=0,
             sent=0,
@@ -229,7 +239,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
         eval_s, val_loss = 0.0, None
         if rank == 0 and (step % p.eval_every == 0 or step == p.steps):
             t0 = time.perf_counter()
-            val_loss = evaluate(model, val, device, autocast)
+            val_loss = evaluate(model, val, device, autocast, opt)
             eval_s = time.perf_counter() - t0
         state["wall_s"] += time.perf_counter() - t_start
         if rank == 0:

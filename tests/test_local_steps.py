@@ -123,3 +123,37 @@ def test_invalid_local_step_settings_are_rejected():
         DisTrOAdamW(make_model().parameters(), sync_every=0)
     with pytest.raises(ValueError, match="overlap=True applies to the per-step mode"):
         DisTrOAdamW(make_model().parameters(), sync_every=4, overlap=True)
+
+
+def test_synced_parameters_are_the_last_sync_on_every_worker_and_local_values_come_back():
+    models = [make_model() for _ in range(3)]
+
+    def worker(backend):
+        model = models[backend.rank]
+        opt = make_opt(model, comm=backend)
+        for t in range(H + 2):  # two local steps past the first sync
+            step(model, opt, t, rank=backend.rank)
+            if t == H - 1:
+                at_sync = [p.detach().clone() for p in model.parameters()]
+        local = [p.detach().clone() for p in model.parameters()]
+        with opt.synced_parameters():
+            inside = [p.detach().clone() for p in model.parameters()]
+        after = [p.detach().clone() for p in model.parameters()]
+        return at_sync, local, inside, after
+
+    results = InProcessBackend.run(3, worker, timeout_s=60)
+    for at_sync, local, inside, after in results:
+        assert all(torch.equal(a, b) for a, b in zip(inside, results[0][0]))  # the same model everywhere
+        assert all(torch.equal(a, b) for a, b in zip(inside, at_sync))  # ... the one of the last sync
+        assert not all(torch.equal(a, b) for a, b in zip(inside, local))  # which the replica has left
+        assert all(torch.equal(a, b) for a, b in zip(after, local))
+
+
+def test_synced_parameters_is_a_no_op_in_the_per_step_mode():
+    model = make_model()
+    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    step(model, opt, 0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.synced_parameters():
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
