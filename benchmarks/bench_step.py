@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from distro_opt import DeMo, DisTrOAdamW
+from distro_opt import DCTTransform, DeMo, DisTrOAdamW
 
 
 def transformer_shapes(layers=4, width=256, ffn=1024, vocab=4096):
@@ -27,11 +27,27 @@ def transformer_shapes(layers=4, width=256, ffn=1024, vocab=4096):
     return shapes + [(width,)]
 
 
+class ForwardDCTOnly:
+    """Not an optimizer: the chunked forward DCT of every gradient, the one part of a DeMo-style step
+    that touches every coefficient with O(chunk) flops each (2 x 64 multiply-adds per element for
+    64x64 chunks). Its time bounds from below what any implementation of the step costs here."""
+
+    def __init__(self, params, chunk=64):
+        self.params = list(params)
+        self.transform = DCTTransform()
+        self.chunks = [DCTTransform.chunk_shape(p.shape, chunk) for p in self.params]
+
+    def step(self):
+        for p, chunk in zip(self.params, self.chunks):
+            self.transform.forward(p.grad, chunk)
+
+
 ARMS = {
     "AdamW (torch, foreach)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     "DisTrOAdamW (defaults)": lambda ps: DisTrOAdamW(ps, lr=1e-3),
     "DisTrOAdamW (update=adam)": lambda ps: DisTrOAdamW(ps, lr=1e-3, update="adam"),
     "DeMo (reference settings)": lambda ps: DeMo(ps, lr=1e-3),
+    "forward DCT alone (not an optimizer)": ForwardDCTOnly,
 }
 
 
@@ -74,7 +90,9 @@ def main(argv=None):
         # on a shared machine that is steadier than a ratio of two medians
         ratio = statistics.median(t / b for t, b in zip(times, setups["AdamW (torch, foreach)"][3]))
         nbytes = getattr(opt, "payload_nbytes", None)
-        if nbytes is None:
+        if isinstance(opt, ForwardDCTOnly):
+            cols = "- | - | -"
+        elif nbytes is None:
             cols = "dense gradient (all-reduce) | 2 (bf16) | 1x"
         else:
             cols = f"{nbytes:,} | {nbytes / nparams:.4f} | {dense_bf16 / nbytes:,.0f}x"

@@ -66,7 +66,12 @@ PY
 fi
 "$PY" -m experiments.prepare --corpus "$CORPUS"
 run canterbury-b4 --preset smoke --corpus "$CORPUS" --arms "adamw,distro,$LOCAL"
-# 6. The frontiers: gap vs compression (and vs tokens per worker-step for the tok-* runs).
+# 6. Model width at the smoke preset's settings (scale-d128 is the smoke model itself): does the gap
+#    shrink as the model grows?
+run scale-d64 --preset smoke --d-model 64 --d-ff 192 --arms "adamw,distro,$LOCAL"
+run scale-d128 --preset smoke --arms "adamw,distro,$LOCAL"
+run scale-d256 --preset smoke --d-model 256 --d-ff 768 --arms "adamw,distro,$LOCAL"
+# 7. The frontiers: gap vs compression (and vs tokens per worker-step for the tok-* runs).
 "$PY" -m experiments.frontier "$OUT"/tok-b4 "$OUT"/tok-b16 "$OUT"/tok-b64 "$OUT"/tok-b16-5k --out "$OUT/frontier-tokens" --force
 "$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/knobs "$OUT"/sweep \
     "$OUT"/smoke-b32 "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \

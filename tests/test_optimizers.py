@@ -299,3 +299,33 @@ def test_per_group_settings_are_validated_like_the_constructor(group, message):
     first, *rest = list(model.parameters())
     with pytest.raises(ValueError, match=message):
         DisTrOAdamW([{"params": [first]}, {"params": rest, **group}])
+
+
+def test_adam_update_without_compression_is_adamw_on_the_mean_gradient():
+    """Top-k of every coefficient at 64 bits sends the whole momentum, so the error feedback is
+    empty and the aggregate is the workers' mean gradient: the Adam update must then be torch's
+    AdamW fed that mean (float64, up to the DCT round trip's rounding)."""
+    world, steps = 3, 5
+    grads = [[torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * r + t))
+              for t in range(steps)] for r in range(world)]
+    start = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(99))
+    settings = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def worker(backend):
+        p = torch.nn.Parameter(start.clone())
+        opt = DisTrOAdamW([p], **settings, update="adam", compression_topk=16 * 16, compression_chunk=16,
+                          compression_bits=64, comm=backend)
+        for g in grads[backend.rank]:
+            p.grad = g.clone()
+            opt.step()
+        return p.detach()
+
+    results = InProcessBackend.run(world, worker, timeout_s=60)
+    ref = torch.nn.Parameter(start.clone())
+    adamw = torch.optim.AdamW([ref], **settings)
+    for t in range(steps):
+        ref.grad = sum(grads[r][t] for r in range(world)) / world
+        adamw.step()
+    for got in results:
+        torch.testing.assert_close(got, ref.detach(), rtol=0, atol=1e-12)
+    assert not torch.allclose(ref.detach(), start)  # it did move
