@@ -8,7 +8,7 @@ import torch
 
 from .decoupled import DecoupledMomentumOptimizer, check_hyperparameters
 
-UPDATES = ("sign", "adam")
+UPDATES = ("sign", "adam", "rms")
 
 
 def default_inner_optimizer(param_groups):
@@ -26,6 +26,8 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     sent) drives the update, after decoupled weight decay ``p *= 1 - lr * weight_decay``:
 
     * ``update="sign"`` (default): ``p -= lr * sign(U)``, DeMo's update. ``betas``/``eps`` unused.
+    * ``update="rms"``: ``p -= lr * U / rms(U)``, the RMS taken over the tensor: the sign step's
+      size, U's shape.
     * ``update="adam"``: ``m = b1 m + (1-b1) U``, ``v = b2 v + (1-b2) U^2``,
       ``p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``: AdamW's normalization of U.
 
@@ -178,6 +180,14 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             self._inner.load_state_dict(inner)
 
     # -- the update --------------------------------------------------------------------------------
+    @staticmethod
+    def _rms_step(group, p, direction):
+        """p -= lr * U / rms(U) over the tensor: the sign step's size (its RMS is 1 too) with U's own
+        shape kept. A tensor nobody sent anything for (U = 0) does not move."""
+        rms = torch.linalg.vector_norm(direction) / direction.numel() ** 0.5
+        direction.div_(rms.clamp_min(torch.finfo(direction.dtype).tiny))
+        p.add_(direction.to(p.dtype), alpha=-group["lr"])
+
     def _update(self, group, p, direction, state):
         if self._inner is not None:
             return self._outer_update(group, p, direction, state)
@@ -185,6 +195,8 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         self._weight_decay(group, target)
         if group["update"] == "sign":
             return self._sign_step(group, target, direction)
+        if group["update"] == "rms":
+            return self._rms_step(group, target, direction)
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)

@@ -329,3 +329,25 @@ def test_adam_update_without_compression_is_adamw_on_the_mean_gradient():
     for got in results:
         torch.testing.assert_close(got, ref.detach(), rtol=0, atol=1e-12)
     assert not torch.allclose(ref.detach(), start)  # it did move
+
+
+def test_rms_update_is_the_aggregate_over_its_rms():
+    """Nothing compressed, one worker, first step: the aggregate is the gradient itself, so the
+    step must be p * (1 - lr * wd) - lr * g / rms(g)."""
+    g = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    start = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    p = torch.nn.Parameter(start.clone())
+    opt = DisTrOAdamW([p], lr=0.01, weight_decay=0.1, update="rms", compression_topk=256, compression_chunk=16,
+                      compression_bits=64)
+    p.grad = g.clone()
+    opt.step()
+    expected = start * (1 - 0.01 * 0.1) - 0.01 * g / g.pow(2).mean().sqrt()
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-12)
+
+
+def test_rms_update_leaves_a_tensor_without_any_signal_where_it_was():
+    p = torch.nn.Parameter(torch.ones(8, 8))
+    opt = DisTrOAdamW([p], lr=0.01, weight_decay=0.0, update="rms")
+    p.grad = torch.zeros(8, 8)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(8, 8))
