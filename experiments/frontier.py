@@ -106,9 +106,11 @@ def plot(points: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2 if series else 1, figsize=(12 if series else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     several_runs = len({p["run"] for p in points}) > 1
-    for mode in sorted({p["mode"] for p in points} - {"adamw"}):
+    modes = sorted({p["mode"] for p in points} - {"adamw"})
+    colors = {mode: f"C{i}" for i, mode in enumerate(modes)}  # one colour per mode, in both panels
+    for mode in modes:
         pts = [p for p in points if p["mode"] == mode]
-        ax.scatter([p["compression"] for p in pts], [p["gap_pct"] for p in pts], label=mode)
+        ax.scatter([p["compression"] for p in pts], [p["gap_pct"] for p in pts], label=mode, color=colors[mode])
         for p in pts:
             text = f"{p['arm']} [{p['run']}]" if several_runs else p["arm"]  # one arm, several runs: tell them apart
             ax.annotate(text, (p["compression"], p["gap_pct"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
@@ -120,8 +122,11 @@ def plot(points: list[dict], path: Path) -> None:
     ax.legend(fontsize=7)
     if series:
         ax = axes[0][1]
-        for arm, pts in series.items():
-            ax.plot([t for t, _ in pts], [g for _, g in pts], marker="o", label=arm)
+        mode_of_arm = {p["arm"]: p["mode"] for p in points}
+        styles = ("-", "--", ":", "-.")
+        for i, (arm, pts) in enumerate(series.items()):
+            ax.plot([t for t, _ in pts], [g for _, g in pts], marker="o", label=arm,
+                    color=colors[mode_of_arm[arm]], linestyle=styles[i % len(styles)])
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per worker-step (log)")
