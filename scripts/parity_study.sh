@@ -35,6 +35,10 @@ run tok-b64-seed1 --preset smoke --batch-size 64 --steps 75 --warmup-steps 8 --e
 # 2. Local steps at >= 5000x less traffic than a dense bf16 gradient.
 run tok-b16-5k --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
     --arms "adamw,distro:sync_every=16,topk=12,bits=2,distro:sync_every=32,topk=24,bits=2"
+run tok-b16-5k-h8 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
+    --arms "distro:sync_every=8,topk=6,bits=2"
+run tok-b16-5k-olr2 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
+    --arms "distro:sync_every=32,topk=24,bits=2,outer_lr=2"
 # 3. Knobs of the per-step mode at the same bytes (smoke preset, 300 steps).
 run knobs --preset smoke \
     --arms "adamw,distro,distro:decay=0.99,distro:decay=0.9,distro:decay=0.8,distro:decay=0.5,distro:decay=0.0,distro:embed.update=adam"
@@ -79,7 +83,9 @@ run scale-d64 --preset smoke --d-model 64 --d-ff 192 --arms "adamw,distro,$LOCAL
 run scale-d128 --preset smoke --arms "adamw,distro,$LOCAL"
 run scale-d256 --preset smoke --d-model 256 --d-ff 768 --arms "adamw,distro,$LOCAL"
 # 7. The frontiers: gap vs compression (and vs tokens per worker-step for the tok-* runs).
-"$PY" -m experiments.frontier "$OUT"/tok-b4 "$OUT"/tok-b16 "$OUT"/tok-b64 "$OUT"/tok-b16-5k --out "$OUT/frontier-tokens" --force
-"$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/knobs "$OUT"/sweep \
+"$PY" -m experiments.frontier "$OUT"/tok-b4 "$OUT"/tok-b16 "$OUT"/tok-b64 "$OUT"/tok-b64-seed1 "$OUT"/tok-b16-5k \
+    "$OUT"/tok-b16-5k-h8 "$OUT"/tok-b16-5k-olr2 --out "$OUT/frontier-tokens" --force
+"$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/parity-rms "$OUT"/knobs \
+    "$OUT"/sweep "$OUT"/decomp "$OUT"/update-rms "$OUT"/smoke-sign-lr2 \
     "$OUT"/smoke-b32 "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \
     --out "$OUT/frontier" --force
