@@ -51,6 +51,8 @@ run decomp --preset smoke --arms "adamw,distro:topk=4096,bits=32,distro:update=a
 # The rms update (U / rms(U) per tensor) against the sign update, at 1x and 2x lr.
 run update-rms --preset smoke --arms "adamw,distro:update=rms,distro:update=rms,lr=0.002"
 run smoke-sign-lr2 --preset smoke --arms "distro:lr=0.002"
+run update-rms-seed1 --preset smoke --seeds 1 \
+    --arms "adamw,distro,distro:lr=0.002,distro:update=rms,distro:update=rms,lr=0.002"
 # 4. The parity preset (3000 steps): defaults and the sign step at lr 2e-3 on two seeds; single-seed
 #    checks of local steps, a lower lr and a lower compression decay.
 run parity --preset parity --arms "adamw,distro"
@@ -59,7 +61,7 @@ run parity-lr --preset parity --arms "distro:lr=0.002"
 run parity-lr-high --preset parity --seeds 0 --arms "distro:lr=0.004"
 run parity-lr-low --preset parity --seeds 0 --arms "distro:lr=0.0003"
 run parity-decay --preset parity --seeds 0 --arms "distro:decay=0.9"
-run parity-rms --preset parity --seeds 0 --arms "distro:update=rms,lr=0.002"
+run parity-rms --preset parity --arms "distro:update=rms,lr=0.002"
 # 5. Text the study never saw: three Canterbury-corpus texts (Shakespeare's asyoulik.txt left out).
 CORPUS="$OUT/corpus-canterbury"
 if [ ! -f "$CORPUS/alice29.txt" ]; then
