@@ -133,15 +133,13 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             with opt.synced_parameters():
                 val_loss = evaluate(model)
 
-        In the per-step mode the workers' parameters are already identical: nothing changes.
+        In the per-step mode the workers' parameters are already identical and there is no anchor:
+        nothing changes. Reading the state adds no entry to it (``self.state`` is a defaultdict).
         """
-        if self._inner is None:
-            yield
-            return
         swapped = []
         with torch.no_grad():
             for _, p in self._entries():
-                anchor = self.state[p].get("anchor")
+                anchor = self.state.get(p, {}).get("anchor")
                 if anchor is not None:
                     swapped.append((p, p.detach().clone()))
                     p.copy_(anchor)

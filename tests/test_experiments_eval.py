@@ -1,4 +1,6 @@
 """The runner's evaluation: in the local-step mode it scores the synced model, not rank 0's replica."""
+import copy
+
 import torch
 
 from distro_opt import DisTrOAdamW
@@ -18,8 +20,7 @@ def test_local_step_evaluation_scores_the_anchor_and_leaves_the_replica_as_it_wa
         model(x, x).backward()
         opt.step()
         if t == 3:
-            synced = build_model(get_preset("smoke").model_config(256), seed=0)
-            synced.load_state_dict(model.state_dict())
+            synced = copy.deepcopy(model)
     replica = {k: v.clone() for k, v in model.state_dict().items()}
 
     got = evaluate(model, batches, "cpu", False, opt)

@@ -157,3 +157,10 @@ def test_synced_parameters_is_a_no_op_in_the_per_step_mode():
     with opt.synced_parameters():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_synced_parameters_before_the_first_step_leave_the_state_empty():
+    opt = make_opt(make_model())
+    with opt.synced_parameters():
+        pass
+    assert opt.state_dict()["state"] == {}
