@@ -39,13 +39,6 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     ``anchor -= outer_lr * (G + mu * m)``, ``m = mu * m + G`` (Nesterov when ``outer_momentum`` mu > 0),
     and every worker restarts from it. One collective per H steps.
 
-    ``keep_unsent=True`` (local-step mode only): a worker restarts from the anchor minus
-    ``compression_decay`` times what it has not sent yet, instead of from the anchor with that
-    remainder kept aside in the error-feedback buffer. The remainder then shapes the next H local
-    steps, and the next pseudo-gradient (``anchor - p``) already contains it, so it is not added to it
-    a second time. With the default, each restart from the anchor re-derives progress along the
-    directions the anchor has not received yet, and the buffer adds it up once per sync.
-
     The defaults (top-4 of each 64x64 chunk, 1-bit values with a bf16 magnitude per chunk) send
     8.5 bytes per 4096 parameters: 0.0021 bytes per parameter per step, as lean as Psyche's setting.
     """
@@ -67,7 +60,6 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         inner_optimizer=None,
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
-        keep_unsent: bool = False,
         comm=None,
         overlap: bool = False,
     ):
@@ -91,10 +83,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             compression_bits=compression_bits, update=update, outer_lr=outer_lr, outer_momentum=outer_momentum,
         )
         super().__init__(params, defaults, comm=comm, overlap=overlap)
-        if keep_unsent and sync_every == 1:
-            raise ValueError("keep_unsent=True applies to the local-step mode only (sync_every > 1)")
         self.sync_every = sync_every
-        self.keep_unsent = bool(keep_unsent)
         self._inner = None
         if sync_every > 1:
             if overlap:
@@ -109,10 +98,6 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
 
     def _momentum_scale(self, group):
         return 1.0
-
-    def _momentum_decay(self, group):
-        # keep_unsent: the remainder lives in the parameters, so the pseudo-gradient already holds it
-        return 0.0 if self.keep_unsent else group["compression_decay"]
 
     # -- local-step mode ---------------------------------------------------------------------------
     def _communicates_this_step(self, entries) -> bool:
@@ -175,12 +160,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             direction = direction + mu * m
         anchor = self._view(state["anchor"], direction)
         anchor.add_(direction, alpha=-group["outer_lr"])
-        if not self.keep_unsent:
-            self._view(p, direction).copy_(anchor)
-            return
-        chunk = self._transform.chunk_shape(tuple(p.shape), group["compression_chunk"])
-        unsent = self._transform.decode(state["delta"], tuple(p.shape), chunk)
-        p.copy_(torch.sub(state["anchor"], unsent, alpha=group["compression_decay"]))
+        self._view(p, direction).copy_(anchor)
 
     def state_dict(self):
         sd = super().state_dict()

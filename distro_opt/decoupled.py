@@ -77,10 +77,6 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _momentum_scale(self, group) -> float:
         raise NotImplementedError
 
-    def _momentum_decay(self, group) -> float:
-        """How much of the unsent remainder the next message carries (DeMo's beta)."""
-        return group["compression_decay"]
-
     def _update(self, group, p, direction: torch.Tensor, state) -> None:
         """Apply the aggregated direction to ``p`` (weight decay included).
 
@@ -176,11 +172,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 # in one pass over a view of the transform's output (no copy into the chunk-major layout)
                 coeffs = self._transform.chunk_major(self._transform.forward(g, seg.chunk), seg.chunk)
                 out, old = stack[start:end].view(coeffs.shape), old.view(coeffs.shape)
-                scale, decay = self._momentum_scale(group), self._momentum_decay(group)
+                scale = self._momentum_scale(group)
                 if scale == 1.0:
-                    torch.add(coeffs, old, alpha=decay, out=out)
+                    torch.add(coeffs, old, alpha=group["compression_decay"], out=out)
                 else:
-                    torch.mul(coeffs, scale, out=out).add_(old, alpha=decay)
+                    torch.mul(coeffs, scale, out=out).add_(old, alpha=group["compression_decay"])
             # top-k and quantization of all the segment's chunks at once
             idx = topk_abs_indices(stack, seg.k)
             kept = stack.gather(1, idx)

@@ -77,15 +77,14 @@ def _params_after_inner_steps(steps):
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("kw", [{}, {"keep_unsent": True}], ids=["reset", "keep_unsent"])
-def test_state_dict_resume_mid_interval_is_bit_identical(kw):
+def test_state_dict_resume_mid_interval_is_bit_identical():
     straight = make_model()
-    opt = make_opt(straight, **kw)
+    opt = make_opt(straight)
     for t in range(10):
         step(straight, opt, t)
 
     first = make_model()
-    opt = make_opt(first, **kw)
+    opt = make_opt(first)
     for t in range(6):  # mid-interval: 2 steps after the sync at step 4
         step(first, opt, t)
     buf = io.BytesIO()
@@ -94,7 +93,7 @@ def test_state_dict_resume_mid_interval_is_bit_identical(kw):
     ckpt = torch.load(buf)
     resumed = make_model(seed=7)
     resumed.load_state_dict(ckpt["model"])
-    opt = make_opt(resumed, **kw)
+    opt = make_opt(resumed)
     opt.load_state_dict(ckpt["opt"])
     for t in range(6, 10):
         step(resumed, opt, t)
@@ -124,8 +123,6 @@ def test_invalid_local_step_settings_are_rejected():
         DisTrOAdamW(make_model().parameters(), sync_every=0)
     with pytest.raises(ValueError, match="overlap=True applies to the per-step mode"):
         DisTrOAdamW(make_model().parameters(), sync_every=4, overlap=True)
-    with pytest.raises(ValueError, match="keep_unsent=True applies to the local-step mode"):
-        DisTrOAdamW(make_model().parameters(), keep_unsent=True)
 
 
 def test_synced_parameters_are_the_last_sync_on_every_worker_and_local_values_come_back():
@@ -167,76 +164,3 @@ def test_synced_parameters_before_the_first_step_leave_the_state_empty():
     with opt.synced_parameters():
         pass
     assert opt.state_dict()["state"] == {}
-
-
-class _RecordingAdamW(torch.optim.AdamW):
-    """The default inner optimizer, keeping a copy of the parameters after each of its steps: what a
-    worker holds right before a sync's pseudo-gradient is taken."""
-
-    def __init__(self, param_groups):
-        keys = ("params", "lr", "betas", "eps", "weight_decay")
-        super().__init__([{k: g[k] for k in keys} for g in param_groups])
-        self.after = []
-
-    def step(self, closure=None):
-        super().step(closure)
-        self.after.append([p.detach().clone() for g in self.param_groups for p in g["params"]])
-
-
-def test_keep_unsent_restarts_from_the_anchor_minus_the_decayed_remainder_and_never_counts_it_twice():
-    """Two syncs on one worker (outer_lr 1, so the anchor moves by exactly what was sent). At each:
-    what was sent plus what remains is the pseudo-gradient ``anchor - p`` alone (the remainder of the
-    previous sync is already inside it, through the parameters), and the worker restarts from
-    ``anchor - decay * remainder``."""
-    model, transform = make_model(), DCTTransform()
-    opt = make_opt(model, keep_unsent=True, compression_decay=0.9, inner_optimizer=_RecordingAdamW)
-    params = list(model.parameters())
-    anchor = [p.detach().clone() for p in params]
-    for sync in range(2):
-        for t in range(sync * H, (sync + 1) * H):
-            step(model, opt, t)
-        before_sync = opt._inner.after[-1]
-        for p, a_old, p_local in zip(params, anchor, before_sync):
-            chunk = transform.chunk_shape(tuple(p.shape), 64)
-            sent = a_old - opt.state[p]["anchor"]
-            remains = transform.decode(opt.state[p]["delta"], tuple(p.shape), chunk)
-            assert sent.abs().max() > 0 and remains.abs().max() > 0
-            torch.testing.assert_close(sent + remains, a_old - p_local, atol=1e-6, rtol=1e-5)
-            torch.testing.assert_close(p.detach(), opt.state[p]["anchor"] - 0.9 * remains, atol=1e-6, rtol=1e-5)
-        anchor = [opt.state[p]["anchor"].clone() for p in params]
-
-
-def test_keep_unsent_with_nothing_left_unsent_is_the_default_local_step_mode():
-    """Every coefficient at 64 bits: nothing remains, so both modes restart from the anchor."""
-    results = []
-    for keep in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
-        opt = DisTrOAdamW(model.parameters(), lr=0.01, sync_every=H, compression_topk=8 * 16,
-                          compression_chunk=16, compression_bits=64, keep_unsent=keep)
-        for t in range(2 * H + 1):
-            g = torch.Generator().manual_seed(t)
-            x, y = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (8,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-        results.append([p.detach().clone() for p in model.parameters()])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
-
-
-def test_keep_unsent_workers_agree_on_the_synced_model_but_keep_their_own_remainders():
-    models = [make_model() for _ in range(3)]
-
-    def worker(backend):
-        model = models[backend.rank]
-        opt = make_opt(model, comm=backend, keep_unsent=True)
-        for t in range(2 * H):
-            step(model, opt, t, rank=backend.rank)
-        with opt.synced_parameters():
-            synced = [p.detach().clone() for p in model.parameters()]
-        return synced, [p.detach().clone() for p in model.parameters()]
-
-    results = InProcessBackend.run(3, worker, timeout_s=60)
-    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0][0], r[0]))
-    assert not all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
