@@ -1,0 +1,112 @@
+"""How much would fused kernels (torch.compile) save in DisTrOAdamW's step? A prototype, not shipped.
+
+Of a DisTrOAdamW step's passes over the model, two groups are elementwise and could be fused:
+
+* the update: the sparse inverse DCT of the aggregate (a sum of a few basis outer products per
+  chunk), its sign, weight decay and the step, eager as 4 + 3 passes over every element;
+* the momentum: ``Delta = DCT(g) + decay * Delta`` and the per-group peaks ``max |Delta|`` that the
+  top-k starts from, eager as 3 passes.
+
+This times both groups over the transformer shapes of ``bench_step.py``, eager against
+``torch.compile`` (static shapes: one compiled kernel per shape), next to the whole eager steps of
+AdamW and DisTrOAdamW, in interleaved rounds. The first call compiles (tens of seconds; Inductor
+needs a C++ compiler). Random aggregates stand in for decoded ones: only the time is of interest.
+
+    python benchmarks/fused_prototype.py [--threads 1] [--rounds 3] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench_step import transformer_shapes
+from distro_opt import DCTTransform, DisTrOAdamW
+
+TOPK = 4  # coefficients per chunk in the aggregate: one worker's top-4
+
+
+def update_eager(p, first, last, lr, shrink, chunk):
+    """As DisTrOAdamW does it: sum of outer products into a scratch tensor, sign, decay, step."""
+    y = torch.mul(first[:, 0].unsqueeze(2), last[:, 0].unsqueeze(1))
+    for i in range(1, first.shape[1]):
+        y.addcmul_(first[:, i].unsqueeze(2), last[:, i].unsqueeze(1))
+    direction = DCTTransform.blocked(y, tuple(p.shape), chunk)
+    p.view(direction.shape).mul_(shrink).add_(direction.sign_(), alpha=-lr)
+
+
+def update_fusable(p, first, last, lr: float, shrink: float):
+    """The same arithmetic written for a compiler: one expression per output element."""
+    y = (first.unsqueeze(3) * last.unsqueeze(2)).sum(1)  # (chunks, c0, c1)
+    rows, cols = p.shape[0] // y.shape[1], p.shape[1] // y.shape[2]
+    direction = y.view(rows, cols, y.shape[1], y.shape[2]).permute(0, 2, 1, 3).reshape(p.shape)
+    p.mul_(shrink).add_(torch.sign(direction), alpha=-lr)
+
+
+def momentum_eager(coeffs, old, out):
+    torch.add(coeffs, old, alpha=0.999, out=out)
+    groups = out.view(out.shape[0], -1, 64)
+    return torch.maximum(groups.amax(2), groups.amin(2).neg_())
+
+
+def momentum_fusable(coeffs, old):
+    new = coeffs + 0.999 * old
+    return new, new.view(new.shape[0], -1, 64).abs().amax(2)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=20, help="repetitions per timed round")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in transformer_shapes()]
+    for p in params:
+        p.grad = torch.randn(p.shape) * 1e-3
+    transform = DCTTransform()
+    work = []  # the 2-D parameters (all but the norm gains, which are 0.02% of the elements)
+    for p in params:
+        chunk = transform.chunk_shape(tuple(p.shape), 64)
+        if len(chunk) == 2:
+            chunks, numel = p.numel() // (chunk[0] * chunk[1]), chunk[0] * chunk[1]
+            coeffs = transform.encode(p.grad, chunk)
+            work.append((p.detach(), chunk, torch.randn(chunks, TOPK, chunk[0]), torch.randn(chunks, TOPK, chunk[1]),
+                         coeffs, torch.randn(chunks, numel), torch.empty(chunks, numel)))
+    update_compiled = torch.compile(update_fusable, dynamic=False)
+    momentum_compiled = torch.compile(momentum_fusable, dynamic=False)
+    start = time.perf_counter()
+    for p, _, first, last, coeffs, old, _ in work:
+        update_compiled(p, first, last, 1e-3, 0.99999)
+        momentum_compiled(coeffs, old)
+    print(f"compile (or compile-cache load): {time.perf_counter() - start:.0f} s")
+
+    adamw, distro = torch.optim.AdamW(params, foreach=True), DisTrOAdamW(params)
+    arms = {
+        "AdamW step (foreach)": adamw.step,
+        "DisTrOAdamW step (eager)": distro.step,
+        "update, eager": lambda: [update_eager(p, f, l, 1e-3, 0.99999, c) for p, c, f, l, *_ in work],
+        "update, compiled": lambda: [update_compiled(p, f, l, 1e-3, 0.99999) for p, _, f, l, *_ in work],
+        "momentum + peaks, eager": lambda: [momentum_eager(c, o, out) for *_, c, o, out in work],
+        "momentum + peaks, compiled": lambda: [momentum_compiled(c, o) for *_, c, o, _ in work],
+    }
+    times = {name: [] for name in arms}
+    for fn in arms.values():
+        fn()  # warm-up
+    for _ in range(args.rounds):
+        for name, fn in arms.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+    print(f"\n{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.rounds} rounds\n")
+    print("| what | ms |\n|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
