@@ -60,14 +60,20 @@ def time_steps(opt, params, grads, steps):
     return (time.perf_counter() - start) / steps
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per arm")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+def timing_setup(description, argv, threads=2, rounds=5, steps=20):
+    """Parse the timing options shared by the benchmarks, set torch's threads and seed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps, help="steps (repetitions) per timed round")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds per arm")
+    parser.add_argument("--threads", type=int, default=threads, help="torch intra-op threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    return args
+
+
+def main(argv=None):
+    args = timing_setup(__doc__.splitlines()[0], argv)
     shapes = transformer_shapes()
     nparams = sum(torch.Size(s).numel() for s in shapes)
     setups = {}

@@ -16,13 +16,12 @@ needs a C++ compiler). Random aggregates stand in for decoded ones: only the tim
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from bench_step import transformer_shapes
+from bench_step import timing_setup, transformer_shapes
 from distro_opt import DCTTransform, DisTrOAdamW
 
 TOPK = 4  # coefficients per chunk in the aggregate: one worker's top-4
@@ -57,13 +56,7 @@ def momentum_fusable(coeffs, old):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=20, help="repetitions per timed round")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    args = timing_setup(__doc__.splitlines()[0], argv, threads=1, rounds=3)
     params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in transformer_shapes()]
     for p in params:
         p.grad = torch.randn(p.shape) * 1e-3
