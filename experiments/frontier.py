@@ -74,14 +74,29 @@ def _ratio(x: float) -> str:
     return f"{x:,.0f}x" if x >= 10 else f"{x:.2g}x"
 
 
+MAX_NAMED_POINTS = 8  # beyond this many points the plot numbers them instead of naming them
+
+
+def numbered(points: list[dict]) -> list[tuple[int | None, dict]]:
+    """The points in table order, each with its number on the plot: 1, 2, ... for the points that
+    have a gap to plot (AdamW arms and unpaired arms get None)."""
+    ordered = sorted(points, key=lambda p: (p["run"], p["mode"], -p["compression"]))
+    count, out = 0, []
+    for p in ordered:
+        plotted = p["mode"] != "adamw" and p["gap_pct"] is not None
+        count += plotted
+        out.append((count if plotted else None, p))
+    return out
+
+
 def table(points: list[dict]) -> str:
-    lines = ["| run | arm | mode | tokens/worker-step | steps | seeds | val loss | gap vs AdamW (per seed) | vs dense bf16 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for p in sorted(points, key=lambda p: (p["run"], p["mode"], -p["compression"])):
+    lines = ["| # | run | arm | mode | tokens/worker-step | steps | seeds | val loss | gap vs AdamW (per seed) | vs dense bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for number, p in numbered(points):
         per_seed = ", ".join(f"{g:+.1f}%" for g in p["gap_per_seed"])
         gap = "no AdamW run with these settings" if p["gap_pct"] is None else f"{p['gap_pct']:+.1f}% ({per_seed})"
-        lines.append(f"| {p['run']} | `{p['arm']}` | {p['mode']} | {p['tokens_per_worker_step']} | {p['steps']} | "
-                     f"{p['seeds']} | {p['val_loss']:.3f} | {gap} | {_ratio(p['compression'])} |")
+        lines.append(f"| {number or ''} | {p['run']} | `{p['arm']}` | {p['mode']} | {p['tokens_per_worker_step']} | "
+                     f"{p['steps']} | {p['seeds']} | {p['val_loss']:.3f} | {gap} | {_ratio(p['compression'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -102,23 +117,27 @@ def plot(points: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     series = tokens_series(points)
-    points = [p for p in points if p["gap_pct"] is not None]
+    shown = [(n, p) for n, p in numbered(points) if n is not None]
     fig, axes = plt.subplots(1, 2 if series else 1, figsize=(12 if series else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     several_runs = len({p["run"] for p in points}) > 1
-    modes = sorted({p["mode"] for p in points} - {"adamw"})
+    by_number = len(shown) > MAX_NAMED_POINTS  # names would overlap: numbers, explained by frontier.md
+    modes = sorted({p["mode"] for _, p in shown})
     colors = {mode: f"C{i}" for i, mode in enumerate(modes)}  # one colour per mode, in both panels
     for mode in modes:
-        pts = [p for p in points if p["mode"] == mode]
-        ax.scatter([p["compression"] for p in pts], [p["gap_pct"] for p in pts], label=mode, color=colors[mode])
-        for p in pts:
-            text = f"{p['arm']} [{p['run']}]" if several_runs else p["arm"]  # one arm, several runs: tell them apart
+        pts = [(n, p) for n, p in shown if p["mode"] == mode]
+        ax.scatter([p["compression"] for _, p in pts], [p["gap_pct"] for _, p in pts], label=mode, color=colors[mode])
+        for n, p in pts:
+            if by_number:
+                text = str(n)
+            else:  # one arm, several runs: tell them apart
+                text = f"{p['arm']} [{p['run']}]" if several_runs else p["arm"]
             ax.annotate(text, (p["compression"], p["gap_pct"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8, label="1% gap target")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per worker per step: dense bf16 gradient / arm (x, log)")
     ax.set_ylabel("final val loss gap vs AdamW (%)")
-    ax.set_title("Loss vs traffic frontier")
+    ax.set_title("Loss vs traffic frontier" + (" (point numbers: rows of frontier.md)" if by_number else ""))
     ax.legend(fontsize=7)
     if series:
         ax = axes[0][1]

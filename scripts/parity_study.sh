@@ -39,12 +39,25 @@ run tok-b16-5k-h8 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 -
     --arms "distro:sync_every=8,topk=6,bits=2"
 run tok-b16-5k-olr2 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
     --arms "distro:sync_every=32,topk=24,bits=2,outer_lr=2"
+# More of the same bytes to the embedding (per-kind top-k), and the other way.
+B16="--preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50"
+H16="distro:sync_every=16,topk=12,bits=2"
+run tok-b16-5k-split $B16 --arms "$H16,embed.topk=24,matrix.topk=8"
+run tok-b16-5k-split-seed1 $B16 --seeds 1 --arms "adamw,$H16,$H16,embed.topk=24,matrix.topk=8"
+run tok-b16-5k-split-more $B16 \
+    --arms "$H16,embed.topk=31,matrix.topk=6,distro:sync_every=8,topk=6,bits=2,embed.topk=12,matrix.topk=4"
+run tok-b16-5k-split38 $B16 --arms "$H16,embed.topk=38,matrix.topk=4"
+run tok-b16-5k-starve $B16 --arms "$H16,embed.topk=1,matrix.topk=15"
+run tok-b16-5k-split32 $B16 --arms "distro:sync_every=32,topk=24,bits=2,embed.topk=48,matrix.topk=16"
+run tok-b16-5k-split32-seed1 $B16 --seeds 1 \
+    --arms "distro:sync_every=32,topk=24,bits=2,distro:sync_every=32,topk=24,bits=2,embed.topk=48,matrix.topk=16"
 # 3. Knobs of the per-step mode at the same bytes (smoke preset, 300 steps).
 run knobs --preset smoke \
     --arms "adamw,distro,distro:decay=0.99,distro:decay=0.9,distro:decay=0.8,distro:decay=0.5,distro:decay=0.0,distro:embed.update=adam"
 run sweep --preset smoke --eval-batches 8 \
     --arms "adamw,distro,distro:update=adam,distro:lr=0.0003,demo,$LOCAL,distro:sync_every=32,topk=128,bits=2"
 run smoke-b32 --preset smoke --batch-size 32 --arms "adamw,distro,$LOCAL"
+run smoke-split --preset smoke --arms "distro:embed.topk=7,matrix.topk=3,distro:embed.topk=8,matrix.topk=2"
 # Nothing compressed (every coefficient, 32 bits): how far is the sign update itself from AdamW, and
 # does the Adam update then match AdamW?
 run decomp --preset smoke --arms "adamw,distro:topk=4096,bits=32,distro:update=adam,topk=4096,bits=32"
@@ -86,8 +99,10 @@ run scale-d128 --preset smoke --arms "adamw,distro,$LOCAL"
 run scale-d256 --preset smoke --d-model 256 --d-ff 768 --arms "adamw,distro,$LOCAL"
 # 7. The frontiers: gap vs compression (and vs tokens per worker-step for the tok-* runs).
 "$PY" -m experiments.frontier "$OUT"/tok-b4 "$OUT"/tok-b16 "$OUT"/tok-b64 "$OUT"/tok-b64-seed1 "$OUT"/tok-b16-5k \
-    "$OUT"/tok-b16-5k-h8 "$OUT"/tok-b16-5k-olr2 --out "$OUT/frontier-tokens" --force
+    "$OUT"/tok-b16-5k-h8 "$OUT"/tok-b16-5k-olr2 "$OUT"/tok-b16-5k-split "$OUT"/tok-b16-5k-split-seed1 \
+    "$OUT"/tok-b16-5k-split-more "$OUT"/tok-b16-5k-split38 "$OUT"/tok-b16-5k-starve "$OUT"/tok-b16-5k-split32 \
+    "$OUT"/tok-b16-5k-split32-seed1 --out "$OUT/frontier-tokens" --force
 "$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/parity-rms "$OUT"/knobs \
     "$OUT"/sweep "$OUT"/decomp "$OUT"/update-rms "$OUT"/smoke-sign-lr2 \
-    "$OUT"/smoke-b32 "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \
+    "$OUT"/smoke-b32 "$OUT"/smoke-split "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \
     --out "$OUT/frontier" --force

@@ -76,3 +76,16 @@ def test_run_without_adamw_is_paired_with_the_adamw_of_a_run_with_the_same_setti
     assert by_arm["distro:lr=0.002"]["gap_pct"] is None  # 3000 steps: no AdamW trained like it
     assert frontier.main([str(tmp_path / r) for r in ("base", "extra", "longer")] + ["--out", str(tmp_path / "out")]) == 0
     assert "no AdamW run with these settings" in (tmp_path / "out" / "frontier.md").read_text()
+
+
+def test_table_numbers_the_plotted_points_and_leaves_adamw_unnumbered(tmp_path):
+    arms = [("adamw", "adamw", {}, 0.0, 0.5)] + [
+        (f"distro:topk={k}", "distro", {"compression_topk": k}, 10.0 + k, 4096.0 / k) for k in range(1, 11)
+    ]
+    write_run(tmp_path / "many", arms)
+    assert frontier.main([str(tmp_path / "many"), "--out", str(tmp_path / "out")]) == 0
+    rows = [line for line in (tmp_path / "out" / "frontier.md").read_text().splitlines()[2:]]
+    numbers = [line.split("|")[1].strip() for line in rows]
+    assert numbers[0] == "" and "`adamw`" in rows[0]
+    assert numbers[1:] == [str(n) for n in range(1, 11)]
+    assert "`distro:topk=1`" in rows[1]  # numbered in table order: most compressed first
