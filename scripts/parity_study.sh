@@ -75,6 +75,8 @@ run parity-lr-high --preset parity --seeds 0 --arms "distro:lr=0.004"
 run parity-lr-low --preset parity --seeds 0 --arms "distro:lr=0.0003"
 run parity-decay --preset parity --seeds 0 --arms "distro:decay=0.9"
 run parity-rms --preset parity --arms "distro:update=rms,lr=0.002"
+run parity-5k --preset parity --seeds 0 --arms "$H16"
+run parity-5k-split --preset parity --seeds 0 --arms "$H16,embed.topk=31,matrix.topk=6"
 # 5. Text the study never saw: three Canterbury-corpus texts (Shakespeare's asyoulik.txt left out).
 CORPUS="$OUT/corpus-canterbury"
 if [ ! -f "$CORPUS/alice29.txt" ]; then
@@ -102,7 +104,8 @@ run scale-d256 --preset smoke --d-model 256 --d-ff 768 --arms "adamw,distro,$LOC
     "$OUT"/tok-b16-5k-h8 "$OUT"/tok-b16-5k-olr2 "$OUT"/tok-b16-5k-split "$OUT"/tok-b16-5k-split-seed1 \
     "$OUT"/tok-b16-5k-split-more "$OUT"/tok-b16-5k-split38 "$OUT"/tok-b16-5k-starve "$OUT"/tok-b16-5k-split32 \
     "$OUT"/tok-b16-5k-split32-seed1 --out "$OUT/frontier-tokens" --force
-"$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/parity-rms "$OUT"/knobs \
+"$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/parity-rms "$OUT"/parity-5k \
+    "$OUT"/parity-5k-split "$OUT"/knobs \
     "$OUT"/sweep "$OUT"/decomp "$OUT"/update-rms "$OUT"/smoke-sign-lr2 \
     "$OUT"/smoke-b32 "$OUT"/smoke-split "$OUT"/tok-b16-5k "$OUT"/canterbury-b4 \
     --out "$OUT/frontier" --force
