@@ -47,6 +47,8 @@ run tok-b16-5k-split-seed1 $B16 --seeds 1 --arms "adamw,$H16,$H16,embed.topk=24,
 run tok-b16-5k-split-more $B16 \
     --arms "$H16,embed.topk=31,matrix.topk=6,distro:sync_every=8,topk=6,bits=2,embed.topk=12,matrix.topk=4"
 run tok-b16-5k-split38 $B16 --arms "$H16,embed.topk=38,matrix.topk=4"
+run tok-b16-5k-split38-seed1 $B16 --seeds 1 --arms "$H16,embed.topk=38,matrix.topk=4"
+run tok-b16-5k-split-more-seed1 $B16 --seeds 1 --arms "$H16,embed.topk=31,matrix.topk=6"
 run tok-b16-5k-starve $B16 --arms "$H16,embed.topk=1,matrix.topk=15"
 run tok-b16-5k-split32 $B16 --arms "distro:sync_every=32,topk=24,bits=2,embed.topk=48,matrix.topk=16"
 run tok-b16-5k-split32-seed1 $B16 --seeds 1 \
@@ -103,7 +105,8 @@ run scale-d256 --preset smoke --d-model 256 --d-ff 768 --arms "adamw,distro,$LOC
 "$PY" -m experiments.frontier "$OUT"/tok-b4 "$OUT"/tok-b16 "$OUT"/tok-b64 "$OUT"/tok-b64-seed1 "$OUT"/tok-b16-5k \
     "$OUT"/tok-b16-5k-h8 "$OUT"/tok-b16-5k-olr2 "$OUT"/tok-b16-5k-split "$OUT"/tok-b16-5k-split-seed1 \
     "$OUT"/tok-b16-5k-split-more "$OUT"/tok-b16-5k-split38 "$OUT"/tok-b16-5k-starve "$OUT"/tok-b16-5k-split32 \
-    "$OUT"/tok-b16-5k-split32-seed1 --out "$OUT/frontier-tokens" --force
+    "$OUT"/tok-b16-5k-split32-seed1 "$OUT"/tok-b16-5k-split38-seed1 "$OUT"/tok-b16-5k-split-more-seed1 \
+    --out "$OUT/frontier-tokens" --force
 "$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/parity-rms "$OUT"/parity-5k \
     "$OUT"/parity-5k-split "$OUT"/knobs \
     "$OUT"/sweep "$OUT"/decomp "$OUT"/update-rms "$OUT"/smoke-sign-lr2 \
