@@ -23,31 +23,30 @@ import torch
 
 from bench_step import timing_setup, transformer_shapes
 from distro_opt import DCTTransform, DisTrOAdamW
+from distro_opt.select import group_peaks
+from distro_opt.transform import dct_matrix
 
 TOPK = 4  # coefficients per chunk in the aggregate: one worker's top-4
 
 
-def update_eager(p, first, last, lr, shrink, chunk):
-    """As DisTrOAdamW does it: sum of outer products into a scratch tensor, sign, decay, step."""
-    y = torch.mul(first[:, 0].unsqueeze(2), last[:, 0].unsqueeze(1))
-    for i in range(1, first.shape[1]):
-        y.addcmul_(first[:, i].unsqueeze(2), last[:, i].unsqueeze(1))
-    direction = DCTTransform.blocked(y, tuple(p.shape), chunk)
+def update_eager(transform, p, idx, values, chunk, lr, shrink):
+    """As DisTrOAdamW does it: the transform's sparse inverse into its workspace, then sign, decay, step."""
+    (direction,) = transform.decode_many(idx, values, chunk, [(0, idx.shape[0], tuple(p.shape))])
     p.view(direction.shape).mul_(shrink).add_(direction.sign_(), alpha=-lr)
 
 
-def update_fusable(p, first, last, lr: float, shrink: float):
+def update_fusable(p, idx, values, basis0, basis1, lr: float, shrink: float):
     """The same arithmetic written for a compiler: one expression per output element."""
+    c0, c1 = basis0.shape[0], basis1.shape[0]
+    first, last = basis0[idx // c1], basis1[idx % c1] * values.unsqueeze(-1)  # (chunks, k, c)
     y = (first.unsqueeze(3) * last.unsqueeze(2)).sum(1)  # (chunks, c0, c1)
-    rows, cols = p.shape[0] // y.shape[1], p.shape[1] // y.shape[2]
-    direction = y.view(rows, cols, y.shape[1], y.shape[2]).permute(0, 2, 1, 3).reshape(p.shape)
+    direction = y.view(p.shape[0] // c0, p.shape[1] // c1, c0, c1).permute(0, 2, 1, 3).reshape(p.shape)
     p.mul_(shrink).add_(torch.sign(direction), alpha=-lr)
 
 
 def momentum_eager(coeffs, old, out):
     torch.add(coeffs, old, alpha=0.999, out=out)
-    groups = out.view(out.shape[0], -1, 64)
-    return torch.maximum(groups.amax(2), groups.amin(2).neg_())
+    return group_peaks(out.view(out.shape[0], -1, 64))
 
 
 def momentum_fusable(coeffs, old):
@@ -67,13 +66,14 @@ def main(argv=None):
         if len(chunk) == 2:
             chunks, numel = p.numel() // (chunk[0] * chunk[1]), chunk[0] * chunk[1]
             coeffs = transform.encode(p.grad, chunk)
-            work.append((p.detach(), chunk, torch.randn(chunks, TOPK, chunk[0]), torch.randn(chunks, TOPK, chunk[1]),
+            aggregate = (torch.randint(numel, (chunks, TOPK)), torch.randn(chunks, TOPK))
+            work.append((p.detach(), chunk, aggregate, (dct_matrix(chunk[0]), dct_matrix(chunk[1])),
                          coeffs, torch.randn(chunks, numel), torch.empty(chunks, numel)))
     update_compiled = torch.compile(update_fusable, dynamic=False)
     momentum_compiled = torch.compile(momentum_fusable, dynamic=False)
     start = time.perf_counter()
-    for p, _, first, last, coeffs, old, _ in work:
-        update_compiled(p, first, last, 1e-3, 0.99999)
+    for p, _, (idx, values), bases, coeffs, old, _ in work:
+        update_compiled(p, idx, values, *bases, 1e-3, 0.99999)
         momentum_compiled(coeffs, old)
     print(f"compile (or compile-cache load): {time.perf_counter() - start:.0f} s")
 
@@ -81,8 +81,8 @@ def main(argv=None):
     arms = {
         "AdamW step (foreach)": adamw.step,
         "DisTrOAdamW step (eager)": distro.step,
-        "update, eager": lambda: [update_eager(p, f, l, 1e-3, 0.99999, c) for p, c, f, l, *_ in work],
-        "update, compiled": lambda: [update_compiled(p, f, l, 1e-3, 0.99999) for p, _, f, l, *_ in work],
+        "update, eager": lambda: [update_eager(transform, p, *agg, c, 1e-3, 0.99999) for p, c, agg, *_ in work],
+        "update, compiled": lambda: [update_compiled(p, *agg, *b, 1e-3, 0.99999) for p, _, agg, b, *_ in work],
         "momentum + peaks, eager": lambda: [momentum_eager(c, o, out) for *_, c, o, out in work],
         "momentum + peaks, compiled": lambda: [momentum_compiled(c, o) for *_, c, o, _ in work],
     }

@@ -26,13 +26,18 @@ def uses_groups(numel: int, k: int) -> bool:
     return numel % GROUP == 0 and 4 * k * GROUP <= numel
 
 
+def group_peaks(groups: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dimension, without materializing |x| (step 1 above)."""
+    return torch.maximum(groups.amax(-1), groups.amin(-1).neg_())
+
+
 def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (rows, k), unsorted, of the k largest |x| in every row of the 2-D ``x``."""
     rows, numel = x.shape
     if not uses_groups(numel, k):
         return x.abs().topk(k, dim=1, sorted=False).indices
     groups = x.view(rows, numel // GROUP, GROUP)
-    peak = torch.maximum(groups.amax(2), groups.amin(2).neg_())  # (rows, groups): max |x| per group
+    peak = group_peaks(groups)  # (rows, groups)
     best = peak.topk(k, dim=1, sorted=False).indices  # (rows, k) group numbers
     candidates = groups.gather(1, best.unsqueeze(2).expand(rows, k, GROUP)).view(rows, k * GROUP)
     pick = candidates.abs_().topk(k, dim=1, sorted=False).indices  # positions among the candidates
