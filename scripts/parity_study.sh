@@ -32,16 +32,14 @@ run tok-b4 --preset smoke --batch-size 4 --steps 1200 --warmup-steps 120 --eval-
 run tok-b16 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 --arms "adamw,distro,$LOCAL"
 run tok-b64 --preset smoke --batch-size 64 --steps 75 --warmup-steps 8 --eval-every 25 --arms "adamw,distro,$LOCAL"
 run tok-b64-seed1 --preset smoke --batch-size 64 --steps 75 --warmup-steps 8 --eval-every 25 --seeds 1 --arms "adamw,distro,$LOCAL"
-# 2. Local steps at >= 5000x less traffic than a dense bf16 gradient.
-run tok-b16-5k --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
-    --arms "adamw,distro:sync_every=16,topk=12,bits=2,distro:sync_every=32,topk=24,bits=2"
-run tok-b16-5k-h8 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
-    --arms "distro:sync_every=8,topk=6,bits=2"
-run tok-b16-5k-olr2 --preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50 \
-    --arms "distro:sync_every=32,topk=24,bits=2,outer_lr=2"
-# More of the same bytes to the embedding (per-kind top-k), and the other way.
+# 2. Local steps at >= 5000x less traffic than a dense bf16 gradient (tok-b16's settings).
 B16="--preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50"
 H16="distro:sync_every=16,topk=12,bits=2"
+H32="distro:sync_every=32,topk=24,bits=2"
+run tok-b16-5k $B16 --arms "adamw,$H16,$H32"
+run tok-b16-5k-h8 $B16 --arms "distro:sync_every=8,topk=6,bits=2"
+run tok-b16-5k-olr2 $B16 --arms "$H32,outer_lr=2"
+# More of the same bytes to the embedding (per-kind top-k), and the other way.
 run tok-b16-5k-split $B16 --arms "$H16,embed.topk=24,matrix.topk=8"
 run tok-b16-5k-split-seed1 $B16 --seeds 1 --arms "adamw,$H16,$H16,embed.topk=24,matrix.topk=8"
 run tok-b16-5k-split-more $B16 \
@@ -50,9 +48,8 @@ run tok-b16-5k-split38 $B16 --arms "$H16,embed.topk=38,matrix.topk=4"
 run tok-b16-5k-split38-seed1 $B16 --seeds 1 --arms "$H16,embed.topk=38,matrix.topk=4"
 run tok-b16-5k-split-more-seed1 $B16 --seeds 1 --arms "$H16,embed.topk=31,matrix.topk=6"
 run tok-b16-5k-starve $B16 --arms "$H16,embed.topk=1,matrix.topk=15"
-run tok-b16-5k-split32 $B16 --arms "distro:sync_every=32,topk=24,bits=2,embed.topk=48,matrix.topk=16"
-run tok-b16-5k-split32-seed1 $B16 --seeds 1 \
-    --arms "distro:sync_every=32,topk=24,bits=2,distro:sync_every=32,topk=24,bits=2,embed.topk=48,matrix.topk=16"
+run tok-b16-5k-split32 $B16 --arms "$H32,embed.topk=48,matrix.topk=16"
+run tok-b16-5k-split32-seed1 $B16 --seeds 1 --arms "$H32,$H32,embed.topk=48,matrix.topk=16"
 # 3. Knobs of the per-step mode at the same bytes (smoke preset, 300 steps).
 run knobs --preset smoke \
     --arms "adamw,distro,distro:decay=0.99,distro:decay=0.9,distro:decay=0.8,distro:decay=0.5,distro:decay=0.0,distro:embed.update=adam"

@@ -84,7 +84,7 @@ def test_table_numbers_the_plotted_points_and_leaves_adamw_unnumbered(tmp_path):
     ]
     write_run(tmp_path / "many", arms)
     assert frontier.main([str(tmp_path / "many"), "--out", str(tmp_path / "out")]) == 0
-    rows = [line for line in (tmp_path / "out" / "frontier.md").read_text().splitlines()[2:]]
+    rows = (tmp_path / "out" / "frontier.md").read_text().splitlines()[2:]
     numbers = [line.split("|")[1].strip() for line in rows]
     assert numbers[0] == "" and "`adamw`" in rows[0]
     assert numbers[1:] == [str(n) for n in range(1, 11)]
