@@ -261,16 +261,38 @@ def load_corpus(
 # ---------------------------------------------------------------------------------------------
 
 
+SHARDINGS = ("contiguous", "iid")
+
+
+def check_sharding(sharding: str) -> None:
+    if sharding not in SHARDINGS:
+        raise ValueError(f"Invalid sharding: {sharding!r} (expected one of {', '.join(SHARDINGS)})")
+
+
 def worker_batch(
-    tokens: np.ndarray, *, step: int, rank: int, world_size: int, batch_size: int, seq_len: int, seed: int
+    tokens: np.ndarray,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    sharding: str = "contiguous",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch of worker ``rank`` at ``step``: random windows from its own contiguous shard of the text.
+    """Batch of worker ``rank`` at ``step``: ``batch_size`` random windows of ``seq_len + 1`` tokens.
+
+    ``sharding="contiguous"``: each worker draws from its own contiguous 1/world_size of the text
+    (workers see different parts of the corpus, as volunteers with their own data would).
+    ``sharding="iid"``: every worker draws from the whole text, with its own random stream (the
+    setting of the published DiLoCo / DisTrO runs, where all nodes stream one shuffled dataset).
 
     A pure function of (seed, step, rank), so every arm sees the same data order and a resumed run
     continues exactly where it stopped.
     """
-    shard = len(tokens) // world_size
-    lo = rank * shard
+    check_sharding(sharding)
+    shard = len(tokens) // world_size if sharding == "contiguous" else len(tokens)
+    lo = rank * shard if sharding == "contiguous" else 0
     if shard < seq_len + 2:
         raise ValueError(f"Corpus too small: a shard of {shard} tokens cannot hold a {seq_len}-token window")
     rng = np.random.default_rng([seed, step, rank])

@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from .presets import saved_preset_fields
+
 
 def mode_of(arm: dict) -> str:
     if arm["kind"] != "distro":
@@ -35,7 +37,7 @@ def load_points(run_dir: Path) -> list[dict]:
         config = json.loads((run_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{run_dir} is not a finished run directory ({exc})") from None
-    preset = config["preset"]
+    preset = saved_preset_fields(config["preset"])
     tokens_per_worker_step = preset["batch_size"] * preset["seq_len"]
     setting = json.dumps({k: v for k, v in preset.items() if k not in _NOT_TRAINING}, sort_keys=True)
     arms = {a["label"]: a for a in config["arms"]}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .data import check_sharding
 from .model import ModelConfig
 
 
@@ -33,6 +34,8 @@ class Preset:
     corpus: str = "shakespeare"
     tokenizer: str = "bpe"
     vocab_size: int = 2048
+    # "contiguous": worker i trains on its own i-th slice of the text; "iid": all draw from all of it
+    sharding: str = "contiguous"
     # training (per arm)
     arms: str = "adamw,distro"
     workers: int = 4
@@ -105,6 +108,7 @@ class Preset:
             )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"Invalid min_lr_ratio: {self.min_lr_ratio}")
+        check_sharding(self.sharding)
         if self.autocast not in ("none", "bf16"):
             raise ValueError(f"Invalid autocast: {self.autocast!r} (expected 'none' or 'bf16')")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -158,6 +162,12 @@ LLAMA_1_2B = Preset(
 )
 
 PRESETS = {p.name: p for p in (SMOKE, PARITY, LLAMA_1_2B)}
+
+
+def saved_preset_fields(saved: dict) -> dict:
+    """The preset fields of a run's config.json, with fields added since it was written set to their
+    defaults (what such a run used), so old and new runs of the same settings compare equal."""
+    return {**dataclasses.asdict(Preset()), **saved}
 
 
 def get_preset(name: str) -> Preset:

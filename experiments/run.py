@@ -28,7 +28,7 @@ from .checkpoint import CheckpointStore
 from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail
 from .data import CorpusError, load_corpus
 from .metrics import MetricsSink, load_run, summarize, truncate_metrics, write_summary
-from .presets import PRESETS, Preset, get_preset
+from .presets import PRESETS, Preset, get_preset, saved_preset_fields
 from .train import Job, LossTable, StopSignal, run_worker
 
 EXIT_INTERRUPTED = 130
@@ -73,6 +73,7 @@ def run_config(preset: Preset, arms, workers: int, vocab_size: int) -> dict:
 
 def _identity(config: dict) -> dict:
     ident = json.loads(json.dumps(config))
+    ident["preset"] = saved_preset_fields(ident["preset"])
     for k in _NOT_IDENTITY:
         ident["preset"].pop(k, None)
     return ident

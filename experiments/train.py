@@ -215,6 +215,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
             batch_size=p.batch_size,
             seq_len=p.seq_len,
             seed=job.seed,
+            sharding=p.sharding,
         )
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(x.to(device), y.to(device))

@@ -1,5 +1,6 @@
 """The corpus pipeline: split, sdist filtering, token cache, batches."""
 
+import dataclasses
 import io
 import json
 import tarfile
@@ -7,7 +8,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from distro_opt.experiments import data
+from distro_opt.experiments import data, presets
 
 
 def _text_folder(tmp_path, nbytes=40_000):
@@ -86,6 +87,26 @@ def test_workers_see_different_data_at_the_same_step():
     tokens = np.arange(10_000, dtype=np.uint16)
     kw = dict(step=3, world_size=2, batch_size=4, seq_len=16, seed=0)
     assert not data.worker_batch(tokens, rank=0, **kw)[0].equal(data.worker_batch(tokens, rank=1, **kw)[0])
+
+
+def test_iid_sharding_draws_every_worker_from_the_whole_text():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(step=3, world_size=4, batch_size=64, seq_len=16, seed=7, sharding="iid")
+    starts = {rank: data.worker_batch(tokens, rank=rank, **kw)[0][:, 0] for rank in range(4)}
+    for rank, s in starts.items():  # each worker's windows reach into at least 3 of the 4 quarters
+        assert len(set((s // 2500).tolist())) >= 3, rank
+    assert not starts[0].equal(starts[1])  # own random stream per worker
+    x, y = data.worker_batch(tokens, rank=1, **kw)
+    assert y[:, :-1].equal(x[:, 1:]) and int(y.max()) < 10_000
+
+
+def test_unknown_sharding_is_rejected_by_name():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    with pytest.raises(ValueError, match="Invalid sharding: 'random'"):
+        data.worker_batch(tokens, step=0, rank=0, world_size=2, batch_size=1, seq_len=8, seed=0, sharding="random")
+    preset = dataclasses.replace(presets.get_preset("smoke"), sharding="random")
+    with pytest.raises(ValueError, match="Invalid sharding"):
+        preset.validate()
 
 
 def test_validation_set_is_fixed_and_covers_the_split():

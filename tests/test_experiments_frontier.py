@@ -89,3 +89,16 @@ def test_table_numbers_the_plotted_points_and_leaves_adamw_unnumbered(tmp_path):
     assert numbers[0] == "" and "`adamw`" in rows[0]
     assert numbers[1:] == [str(n) for n in range(1, 11)]
     assert "`distro:topk=1`" in rows[1]  # numbered in table order: most compressed first
+
+
+def test_runs_saved_before_the_sharding_field_pair_with_contiguous_runs_only(tmp_path):
+    write_run(tmp_path / "old", [("adamw", "adamw", {}, 0.0, 0.5)], seeds=(0,))  # config without "sharding"
+    for name, sharding in (("new", "contiguous"), ("iid", "iid")):
+        write_run(tmp_path / name, [(f"distro:{name}", "distro", {}, 10.0, 920.0)], seeds=(0,))
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        config["preset"]["sharding"] = sharding
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    points = frontier.pair_with_adamw([p for run in ("old", "new", "iid") for p in frontier.load_points(tmp_path / run)])
+    by_arm = {p["arm"]: p for p in points}
+    assert by_arm["distro:new"]["gap_pct"] == pytest.approx(100 * (1.10 / 1.0 - 1))
+    assert by_arm["distro:iid"]["gap_pct"] is None

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -142,6 +143,16 @@ def test_output_dir_holding_a_different_run_is_refused_and_left_alone(corpus, st
     assert run.main(tiny_args(corpus, straight, steps=40)) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in straight.rglob("*") if p.is_file()} == before
+
+
+def test_run_saved_before_a_preset_field_existed_still_resumes(corpus, straight, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(straight, old)
+    config = json.loads((old / "config.json").read_text())
+    del config["preset"]["sharding"]  # added later; such runs drew contiguous shards, the default
+    (old / "config.json").write_text(json.dumps(config))
+    assert run.main(tiny_args(corpus, old, steps=40, extra=("--resume",))) == 0
+    assert run.main(tiny_args(corpus, old, steps=40, extra=("--resume", "--sharding", "iid"))) == 2
 
 
 def test_same_seed_gives_the_same_metrics(corpus, straight, tmp_path):
