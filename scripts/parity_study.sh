@@ -50,6 +50,28 @@ run tok-b16-5k-split-more-seed1 $B16 --seeds 1 --arms "$H16,embed.topk=31,matrix
 run tok-b16-5k-starve $B16 --arms "$H16,embed.topk=1,matrix.topk=15"
 run tok-b16-5k-split32 $B16 --arms "$H32,embed.topk=48,matrix.topk=16"
 run tok-b16-5k-split32-seed1 $B16 --seeds 1 --arms "$H32,$H32,embed.topk=48,matrix.topk=16"
+# The floor of local steps: every coefficient at 32 bits (plain periodic averaging), per H.
+run tok-b16-dense-local $B16 \
+    --arms "distro:sync_every=16,topk=4096,bits=32,distro:sync_every=8,topk=4096,bits=32,distro:sync_every=32,topk=4096,bits=32"
+run tok-b16-dense-local-short $B16 --arms "distro:sync_every=2,topk=4096,bits=32,distro:sync_every=4,topk=4096,bits=32"
+# One worker alone (a quarter of the data): the bar a distributed run has to clear.
+run tok-b16-one-worker $B16 --workers 1 --arms adamw
+run smoke-one-worker --preset smoke --workers 1 --arms adamw
+run tok-b16-one-worker-seed1 $B16 --seeds 1 --workers 1 --arms adamw
+run tok-b16-dense-local-seed1 $B16 --seeds 1 --arms "distro:sync_every=16,topk=4096,bits=32"
+# The outer step: DiLoCo's Nesterov, longer and shorter steps, with and without compression.
+run tok-b16-nesterov $B16 --arms "distro:sync_every=16,topk=4096,bits=32,outer_lr=0.7,outer_momentum=0.9,$H16,embed.topk=31,matrix.topk=6,outer_lr=0.7,outer_momentum=0.9"
+run tok-b16-outer-lr $B16 --arms "distro:sync_every=16,topk=4096,bits=32,outer_lr=2,$H16,embed.topk=31,matrix.topk=6,outer_lr=1.5"
+run tok-b16-outer-lr-half $B16 --arms "distro:sync_every=16,topk=4096,bits=32,outer_lr=0.5"
+# A prototype outside the library: rank-r factors of the pseudo-gradient instead of DCT top-k.
+for spec in "1 4" "2 2"; do  # rank, bits per factor value
+    read -r rank bits <<<"$spec"
+    f="$OUT/lowrank-r$rank-b$bits.jsonl"
+    [ -f "$f" ] || "$PY" scripts/lowrank_prototype.py --sync-every 16 --rank "$rank" --bits "$bits" --out "$f"
+done
+# Worker data: every worker draws from the whole text (iid) instead of its own quarter.
+run iid-smoke --preset smoke --sharding iid --arms "adamw,distro,$LOCAL"
+run iid-b16-5k $B16 --sharding iid --arms "adamw,$H16,$H16,embed.topk=31,matrix.topk=6"
 # 3. Knobs of the per-step mode at the same bytes (smoke preset, 300 steps).
 run knobs --preset smoke \
     --arms "adamw,distro,distro:decay=0.99,distro:decay=0.9,distro:decay=0.8,distro:decay=0.5,distro:decay=0.0,distro:embed.update=adam"
@@ -103,6 +125,7 @@ run scale-d256 --preset smoke --d-model 256 --d-ff 768 --arms "adamw,distro,$LOC
     "$OUT"/tok-b16-5k-h8 "$OUT"/tok-b16-5k-olr2 "$OUT"/tok-b16-5k-split "$OUT"/tok-b16-5k-split-seed1 \
     "$OUT"/tok-b16-5k-split-more "$OUT"/tok-b16-5k-split38 "$OUT"/tok-b16-5k-starve "$OUT"/tok-b16-5k-split32 \
     "$OUT"/tok-b16-5k-split32-seed1 "$OUT"/tok-b16-5k-split38-seed1 "$OUT"/tok-b16-5k-split-more-seed1 \
+    "$OUT"/tok-b16-dense-local "$OUT"/tok-b16-dense-local-short "$OUT"/tok-b16-outer-lr "$OUT"/tok-b16-outer-lr-half \
     --out "$OUT/frontier-tokens" --force
 "$PY" -m experiments.frontier "$OUT"/parity "$OUT"/parity-local "$OUT"/parity-lr "$OUT"/parity-rms "$OUT"/parity-5k \
     "$OUT"/parity-5k-split "$OUT"/knobs \
