@@ -98,6 +98,8 @@ run parity-decay --preset parity --seeds 0 --arms "distro:decay=0.9"
 run parity-rms --preset parity --arms "distro:update=rms,lr=0.002"
 run parity-5k --preset parity --seeds 0 --arms "$H16"
 run parity-5k-split --preset parity --seeds 0 --arms "$H16,embed.topk=31,matrix.topk=6"
+run parity-one-worker --preset parity --seeds 0 --workers 1 --arms adamw
+run parity-one-worker-seed1 --preset parity --seeds 1 --workers 1 --arms adamw
 # 5. Text the study never saw: three Canterbury-corpus texts (Shakespeare's asyoulik.txt left out).
 CORPUS="$OUT/corpus-canterbury"
 if [ ! -f "$CORPUS/alice29.txt" ]; then
