@@ -291,8 +291,11 @@ def worker_batch(
     continues exactly where it stopped.
     """
     check_sharding(sharding)
-    shard = len(tokens) // world_size if sharding == "contiguous" else len(tokens)
-    lo = rank * shard if sharding == "contiguous" else 0
+    if sharding == "contiguous":
+        shard = len(tokens) // world_size
+        lo = rank * shard
+    else:
+        shard, lo = len(tokens), 0
     if shard < seq_len + 2:
         raise ValueError(f"Corpus too small: a shard of {shard} tokens cannot hold a {seq_len}-token window")
     rng = np.random.default_rng([seed, step, rank])

@@ -8,7 +8,9 @@ What it runs (the experiment runner's data, model, init, lr schedule and evaluat
 simulated one after another in this process, each with its own AdamW, as DiLoCo):
   every H steps, per worker w and parameter:  pre = (anchor - p_w) + decay * e_w
       matrices:  the best rank-r approximation of pre (SVD), factors U sqrt(S), V sqrt(S)
-                 quantized to ``bits`` bits per value with one fp32 scale per column
+                 quantized to ``bits`` bits per value with one fp32 scale per column: symmetric
+                 levels -L..L, L = 2^(bits-1) - 1 (so 2 bits is ternary, {-1, 0, 1} x scale, not
+                 the library's 4-level 2-bit codec; the library has no 4-bit codec)
       vectors:   pre quantized to ``bits`` bits with one fp32 scale
       e_w = pre - sent (error feedback);  anchor -= mean_w sent;  every replica restarts at anchor
   ``--mode dense`` sends every pseudo-gradient whole (fp32, no error feedback): plain periodic
@@ -59,7 +61,7 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=16, help="H: local steps per sync")
     ap.add_argument("--rank", type=int, default=1, help="rank sent per matrix")
     ap.add_argument("--embed-rank", type=int, default=None, help="rank for the token embedding (default --rank)")
-    ap.add_argument("--bits", type=int, default=4, help="bits per factor value (2-8)")
+    ap.add_argument("--bits", type=int, default=4, help="bits per factor value (2-8; levels -L..L, L = 2^(bits-1) - 1)")
     ap.add_argument("--decay", type=float, default=0.999, help="error-feedback decay")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
     ap.add_argument("--steps", type=int, default=300)

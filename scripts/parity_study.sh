@@ -34,6 +34,7 @@ run tok-b64 --preset smoke --batch-size 64 --steps 75 --warmup-steps 8 --eval-ev
 run tok-b64-seed1 --preset smoke --batch-size 64 --steps 75 --warmup-steps 8 --eval-every 25 --seeds 1 --arms "adamw,distro,$LOCAL"
 # 2. Local steps at >= 5000x less traffic than a dense bf16 gradient (tok-b16's settings).
 B16="--preset smoke --batch-size 16 --steps 300 --warmup-steps 30 --eval-every 50"
+DENSE="topk=4096,bits=32"  # every coefficient at 32 bits: nothing compressed
 H16="distro:sync_every=16,topk=12,bits=2"
 H32="distro:sync_every=32,topk=24,bits=2"
 run tok-b16-5k $B16 --arms "adamw,$H16,$H32"
@@ -52,17 +53,17 @@ run tok-b16-5k-split32 $B16 --arms "$H32,embed.topk=48,matrix.topk=16"
 run tok-b16-5k-split32-seed1 $B16 --seeds 1 --arms "$H32,$H32,embed.topk=48,matrix.topk=16"
 # The floor of local steps: every coefficient at 32 bits (plain periodic averaging), per H.
 run tok-b16-dense-local $B16 \
-    --arms "distro:sync_every=16,topk=4096,bits=32,distro:sync_every=8,topk=4096,bits=32,distro:sync_every=32,topk=4096,bits=32"
-run tok-b16-dense-local-short $B16 --arms "distro:sync_every=2,topk=4096,bits=32,distro:sync_every=4,topk=4096,bits=32"
-# One worker alone (a quarter of the data): the bar a distributed run has to clear.
+    --arms "distro:sync_every=16,$DENSE,distro:sync_every=8,$DENSE,distro:sync_every=32,$DENSE"
+run tok-b16-dense-local-short $B16 --arms "distro:sync_every=2,$DENSE,distro:sync_every=4,$DENSE"
+# One worker alone (a quarter of the tokens): the bar a distributed run has to clear.
 run tok-b16-one-worker $B16 --workers 1 --arms adamw
 run smoke-one-worker --preset smoke --workers 1 --arms adamw
 run tok-b16-one-worker-seed1 $B16 --seeds 1 --workers 1 --arms adamw
-run tok-b16-dense-local-seed1 $B16 --seeds 1 --arms "distro:sync_every=16,topk=4096,bits=32"
+run tok-b16-dense-local-seed1 $B16 --seeds 1 --arms "distro:sync_every=16,$DENSE"
 # The outer step: DiLoCo's Nesterov, longer and shorter steps, with and without compression.
-run tok-b16-nesterov $B16 --arms "distro:sync_every=16,topk=4096,bits=32,outer_lr=0.7,outer_momentum=0.9,$H16,embed.topk=31,matrix.topk=6,outer_lr=0.7,outer_momentum=0.9"
-run tok-b16-outer-lr $B16 --arms "distro:sync_every=16,topk=4096,bits=32,outer_lr=2,$H16,embed.topk=31,matrix.topk=6,outer_lr=1.5"
-run tok-b16-outer-lr-half $B16 --arms "distro:sync_every=16,topk=4096,bits=32,outer_lr=0.5"
+run tok-b16-nesterov $B16 --arms "distro:sync_every=16,$DENSE,outer_lr=0.7,outer_momentum=0.9,$H16,embed.topk=31,matrix.topk=6,outer_lr=0.7,outer_momentum=0.9"
+run tok-b16-outer-lr $B16 --arms "distro:sync_every=16,$DENSE,outer_lr=2,$H16,embed.topk=31,matrix.topk=6,outer_lr=1.5"
+run tok-b16-outer-lr-half $B16 --arms "distro:sync_every=16,$DENSE,outer_lr=0.5"
 # A prototype outside the library: rank-r factors of the pseudo-gradient instead of DCT top-k.
 for spec in "1 4" "2 2"; do  # rank, bits per factor value
     read -r rank bits <<<"$spec"
@@ -81,7 +82,7 @@ run smoke-b32 --preset smoke --batch-size 32 --arms "adamw,distro,$LOCAL"
 run smoke-split --preset smoke --arms "distro:embed.topk=7,matrix.topk=3,distro:embed.topk=8,matrix.topk=2"
 # Nothing compressed (every coefficient, 32 bits): how far is the sign update itself from AdamW, and
 # does the Adam update then match AdamW?
-run decomp --preset smoke --arms "adamw,distro:topk=4096,bits=32,distro:update=adam,topk=4096,bits=32"
+run decomp --preset smoke --arms "adamw,distro:$DENSE,distro:update=adam,$DENSE"
 # The rms update (U / rms(U) per tensor) against the sign update, at 1x and 2x lr.
 run update-rms --preset smoke --arms "adamw,distro:update=rms,distro:update=rms,lr=0.002"
 run smoke-sign-lr2 --preset smoke --arms "distro:lr=0.002"
