@@ -14,9 +14,9 @@ votes included).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -87,22 +87,17 @@ def torch_worker(args) -> dict:
     import torch.distributed as dist
 
     from distro_opt.comm.torch_backend import TorchDistributedBackend
+    from distro_opt.experiments.process_group import start_process_group
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world
-    )
+    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), GLOO_SOCKET_IFNAME="lo",
+                      DISTRO_OPT_RENDEZVOUS_FILE=str(Path(args.addr_file).with_name("rendezvous")))
+    start_process_group("gloo", datetime.timedelta(seconds=60))
     try:
         return timed_gathers(
             TorchDistributedBackend(timeout_s=60), args.nbytes, args.rank, args.warmup, args.steps
         )
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(backend: str, world: int, nbytes: int, warmup: int, steps: int, timeout_s: float) -> list[dict]:
@@ -122,8 +117,6 @@ def run(backend: str, world: int, nbytes: int, warmup: int, steps: int, timeout_
             str(steps),
             "--addr-file",
             f"{tmp}/addr",
-            "--port",
-            str(free_port()),
         ]
         env = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR", OMP_NUM_THREADS="1")
         procs = [
@@ -172,7 +165,6 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--nbytes", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--addr-file", default="", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

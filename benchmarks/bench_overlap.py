@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,10 +70,11 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from distro_opt.comm.torch_backend import TorchDistributedBackend
+    from distro_opt.experiments.process_group import start_process_group
     from distro_opt.experiments.train_ddp import TrainConfig, train
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    start_process_group("gloo", datetime.timedelta(seconds=120))
     rows = []
     arms = [(lr, lat, ov) for lr in args.lr for lat in args.latency_ms for ov in (False, True)]
     for lr, latency_ms, overlap in arms:
@@ -96,14 +96,11 @@ def worker(args) -> None:
 
 def launch(args) -> list[list[dict]]:
     """Start 2 ranks of this script on 127.0.0.1 with a bounded wait; return their rows."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
         argv = [sys.executable, __file__, "--worker", "--out", out, "--steps", str(args.steps),
                 "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
                 "--latency-ms", *map(str, args.latency_ms), "--lr", *map(str, args.lr)]
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+        env = dict(os.environ, DISTRO_OPT_RENDEZVOUS_FILE=f"{out}/rendezvous", WORLD_SIZE="2",
                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
         procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
         try:

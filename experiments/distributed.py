@@ -23,6 +23,7 @@ from .checkpoint import CheckpointStore
 from .cli import UsageError, fail
 from .data import CorpusError, load_corpus
 from .metrics import MetricsSink, truncate_metrics
+from .process_group import start_process_group
 from .train import Job, run_worker
 
 
@@ -48,9 +49,7 @@ def main_distributed(args, preset, arms) -> int:
     use_cuda = preset.device.startswith("cuda") and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=preset.timeout_s)
-    )
+    start_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=preset.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"
     preset = type(preset)(**{**preset.__dict__, "workers": world, "device": device})

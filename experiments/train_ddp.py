@@ -19,7 +19,6 @@ import datetime
 import hashlib
 import math
 import os
-import socket
 import sys
 import time
 import warnings
@@ -33,6 +32,7 @@ from torch import nn
 
 from distro_opt import DisTrOAdamW
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
+from distro_opt.experiments.process_group import single_process_group, start_process_group
 
 
 HELP = {
@@ -246,16 +246,13 @@ def checksum(params: dict) -> str:
 
 
 def init_group(cfg: TrainConfig) -> None:
+    """Start the process group: torchrun's (or a hand launch's), else a group of this process alone."""
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    if "RANK" in os.environ:  # launched by torchrun: env:// rendezvous
-        dist.init_process_group(backend, timeout=timeout)
+    if "RANK" in os.environ:
+        start_process_group(backend, timeout)
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                timeout=timeout)
+        single_process_group(backend, timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 

@@ -2,15 +2,17 @@
 
 JOBS is a JSON list of ``[name, scenario, args]``, run in order in one process group.
 
-The launcher (tests/test_torch_backend.py) sets RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1 and
-MASTER_PORT. Each scenario returns a dict; they are saved to OUTDIR/rank{RANK}.pt for the test to
-check, as ``{name: result}``; an unexpected exception is saved there too (``error_type``, ``error``)
-and exits with 3.
+The launcher (tests/test_torch_backend.py) sets RANK, WORLD_SIZE and DISTRO_OPT_RENDEZVOUS_FILE:
+the ranks meet through a file (experiments.process_group), and Gloo's own sockets are on 127.0.0.1
+(GLOO_SOCKET_IFNAME=lo). Each scenario returns a dict; they are saved to OUTDIR/rank{RANK}.pt for
+the test to check, as ``{name: result}``; an unexpected exception is saved there too
+(``error_type``, ``error``) and exits with 3.
 Run by path, so the repository root is not on sys.path (``comm`` must not be importable top-level).
 """
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from distro_opt.comm import resolve_backend
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
+from distro_opt.experiments.process_group import start_process_group
 
 GROUP_TIMEOUT_S = 60
 
@@ -155,15 +158,14 @@ SCENARIOS = {
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash in torch's C++ (SIGABRT, SIGSEGV) puts the Python stack in the log
     outdir, jobs = sys.argv[1], json.loads(sys.argv[2])
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     backend = os.environ.get("TEST_DIST_BACKEND", "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S)
-    )
+    start_process_group(backend, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     path = os.path.join(outdir, f"rank{rank}.pt")
     results = {}
     for name, scenario, args in jobs:  # one process group serves several jobs: fewer slow launches
@@ -179,6 +181,13 @@ def main() -> None:
             os._exit(0)  # the group is broken: destroy_process_group could wait forever on the dead peer
     torch.save(results, path)
     dist.destroy_process_group()
+    # Everything the tests check is saved and the group is ended: skip the interpreter's
+    # finalization too. Once in CI a rank aborted ("terminate called without an active exception")
+    # after its peer had completed every collective with it, so somewhere in teardown;
+    # pytorch/pytorch#179291 describes Gloo threads dropping tensors during finalization.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -265,15 +264,8 @@ def test_resume_without_a_run_is_an_error(corpus, tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight, tmp_path):
     out = tmp_path / "dist"
-    port = str(_free_port())
     procs = []
     for rank in range(2):
         env = dict(
@@ -281,8 +273,7 @@ def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight,
             RANK=str(rank),
             LOCAL_RANK=str(rank),
             WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
+            DISTRO_OPT_RENDEZVOUS_FILE=str(tmp_path / "rendezvous"),  # no TCP store, no name lookups
             GLOO_SOCKET_IFNAME="lo",
         )
         procs.append(

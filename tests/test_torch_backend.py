@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,20 +19,13 @@ WORKER = Path(__file__).with_name("_dist_worker.py")
 HEADER_BYTES = 8
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(jobs, world_size, tmp_path, timeout_s=60.0, wait_ranks=None, dist_backend="gloo"):
     """Run ``world_size`` ranks doing ``jobs`` ([name, scenario, args] each, in order); wait for
     ``wait_ranks`` (default all) and kill the rest. Returns ``(results, returncodes)``: results[r] is
     what rank r saved, ``{name: result}`` (None if it saved nothing)."""
     env = dict(
         os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+        DISTRO_OPT_RENDEZVOUS_FILE=str(tmp_path / "rendezvous"),  # no TCP store (experiments.process_group)
         WORLD_SIZE=str(world_size),
         GLOO_SOCKET_IFNAME="lo",  # Gloo's own sockets on the loopback interface only
         OMP_NUM_THREADS="1",
@@ -340,6 +332,18 @@ def test_backend_without_an_initialized_group_says_how_to_fix_it():
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         TorchDistributedBackend()
+
+
+def test_a_rendezvous_file_without_rank_names_the_missing_variable(monkeypatch, tmp_path):
+    import datetime
+
+    from distro_opt.experiments.process_group import start_process_group
+
+    monkeypatch.setenv("DISTRO_OPT_RENDEZVOUS_FILE", str(tmp_path / "rendezvous"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="RANK not"):
+        start_process_group("gloo", datetime.timedelta(seconds=5))
 
 
 def test_checkpoint_is_never_overwritten(tmp_path):
