@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
 import logging
 import re
 import threading
@@ -61,7 +62,30 @@ logger = logging.getLogger(__name__)
 VOTE_FRACTION = 0.8  # votes are awaited until 0.8 of the step deadline; the rest is for adopting a log
 RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
-__all__ = ["HivemindBackend", "HivemindBackendError"]
+__all__ = ["HivemindBackend", "HivemindBackendError", "dht_options"]
+
+
+def dht_options(host_maddrs, dht_kwargs: dict | None) -> dict:
+    """``dht_kwargs``, plus ``nat_port_map=False`` when every listen address is a loopback one.
+
+    libp2p's NAT port mapping otherwise probes the local network (UPnP M-SEARCH to 239.255.255.250,
+    NAT-PMP to the gateway) even for a peer that listens on 127.0.0.1 only and has nothing to map.
+    """
+    options = dict(dht_kwargs or {})
+    if all(is_loopback_maddr(m) for m in host_maddrs):
+        options.setdefault("nat_port_map", False)
+    return options
+
+
+def is_loopback_maddr(maddr) -> bool:
+    """Whether a multiaddr such as ``/ip4/127.0.0.1/tcp/0`` names a loopback address."""
+    parts = str(maddr).split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return False
+    try:
+        return ipaddress.ip_address(parts[2]).is_loopback
+    except ValueError:
+        return False
 
 
 class HivemindBackend(GatherStreams, CatchUp, Backend):
@@ -123,7 +147,7 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
                 host_maddrs=[str(m) for m in host_maddrs],
                 client_mode=self.client_mode,
                 start=False,
-                **(dht_kwargs or {}),
+                **dht_options(host_maddrs, dht_kwargs),
             )
             dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
         self.dht = dht  # started before our thread: hivemind forks its DHT process

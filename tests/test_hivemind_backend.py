@@ -14,7 +14,7 @@ hivemind = pytest.importorskip("hivemind")
 from hivemind.p2p import PeerID  # noqa: E402
 
 from distro_opt.comm import hivemind_wire as wire  # noqa: E402
-from distro_opt.comm.hivemind_backend import HivemindBackend  # noqa: E402
+from distro_opt.comm.hivemind_backend import HivemindBackend, dht_options  # noqa: E402
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 STEP_TIMEOUT_S = 2.0
@@ -23,10 +23,13 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def dhts():
-    first = hivemind.DHT(start=True, host_maddrs=[LOOPBACK])
+    options = dht_options([LOOPBACK], None)  # what a HivemindBackend would start with
+    first = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], **options)
     maddrs = [str(m) for m in first.get_visible_maddrs()]
     assert all(m.startswith("/ip4/127.0.0.1/") for m in maddrs)
-    others = [hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=maddrs) for _ in range(2)]
+    others = [
+        hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=maddrs, **options) for _ in range(2)
+    ]
     yield [first, *others]
     for dht in [first, *others]:
         dht.shutdown()

@@ -123,3 +123,15 @@ def test_state_load_refuses_an_unknown_dtype():
     blob = dump_state({"w": torch.ones(4)})
     with pytest.raises(StateFormatError, match="dtype"):
         load_state(blob.replace(b'"float32"', b'"object0"'))
+
+
+def test_a_peer_listening_on_loopback_only_does_not_map_ports_on_the_local_network():
+    from distro_opt.comm.hivemind_backend import dht_options
+
+    assert dht_options(["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"], None) == {"nat_port_map": False}
+    assert dht_options(["/ip4/127.0.0.1/tcp/0"], {"nat_port_map": True}) == {"nat_port_map": True}
+    assert dht_options(["/ip4/0.0.0.0/tcp/0"], None) == {}
+    assert dht_options(["/ip4/127.0.0.1/tcp/0", "/ip4/192.0.2.7/udp/0/quic"], {"use_auto_relay": True}) == {
+        "use_auto_relay": True
+    }
+    assert dht_options(["/dns4/example.org/tcp/31337"], None) == {}
