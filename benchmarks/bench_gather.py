@@ -89,8 +89,6 @@ def torch_worker(args) -> dict:
     from distro_opt.comm.torch_backend import TorchDistributedBackend
     from distro_opt.experiments.process_group import start_process_group
 
-    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world), GLOO_SOCKET_IFNAME="lo",
-                      DISTRO_OPT_RENDEZVOUS_FILE=str(Path(args.addr_file).with_name("rendezvous")))
     start_process_group("gloo", datetime.timedelta(seconds=60))
     try:
         return timed_gathers(
@@ -101,6 +99,8 @@ def torch_worker(args) -> dict:
 
 
 def run(backend: str, world: int, nbytes: int, warmup: int, steps: int, timeout_s: float) -> list[dict]:
+    from distro_opt.experiments.process_group import one_machine_env
+
     with tempfile.TemporaryDirectory() as tmp:
         common = [
             sys.executable,
@@ -122,7 +122,7 @@ def run(backend: str, world: int, nbytes: int, warmup: int, steps: int, timeout_
         procs = [
             subprocess.Popen(
                 common + ["--rank", str(r), "--out", f"{tmp}/r{r}.json"],
-                env=env,
+                env={**env, **one_machine_env(r, world, f"{tmp}/rendezvous")},  # used by the torch workers
                 start_new_session=True,
                 cwd=tmp,
             )

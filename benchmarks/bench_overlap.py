@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from distro_opt.comm import Backend, PendingGather
+from distro_opt.experiments.process_group import one_machine_env
 
 WARMUP_STEPS = 3
 
@@ -100,9 +101,9 @@ def launch(args) -> list[list[dict]]:
         argv = [sys.executable, __file__, "--worker", "--out", out, "--steps", str(args.steps),
                 "--hidden", str(args.hidden), "--batch-size", str(args.batch_size),
                 "--latency-ms", *map(str, args.latency_ms), "--lr", *map(str, args.lr)]
-        env = dict(os.environ, DISTRO_OPT_RENDEZVOUS_FILE=f"{out}/rendezvous", WORLD_SIZE="2",
-                   GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(2)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen(argv, env={**env, **one_machine_env(r, 2, f"{out}/rendezvous")})
+                 for r in range(2)]
         try:
             for p in procs:
                 if p.wait(timeout=args.timeout_s) != 0:

@@ -39,6 +39,18 @@ def start_process_group(backend: str, timeout: datetime.timedelta) -> None:
     )
 
 
+def one_machine_env(rank: int, world_size: int, rendezvous_file) -> dict[str, str]:
+    """The variables of rank ``rank`` of a one-machine job launched by hand (add them to the rest of
+    its environment): rank and world size, the rendezvous file, and Gloo's own sockets on loopback."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        RENDEZVOUS_FILE: str(rendezvous_file),
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+
+
 def single_process_group(backend: str, timeout: datetime.timedelta) -> None:
     """A group of one process, whose store lives in memory: nothing listens on any port."""
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

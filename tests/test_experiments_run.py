@@ -17,6 +17,7 @@ from distro_opt.comm import CommStats, SingleWorkerBackend
 from distro_opt.experiments import data, run
 from distro_opt.experiments.metrics import read_metrics
 from distro_opt.experiments.model import build_model
+from distro_opt.experiments.process_group import one_machine_env
 from distro_opt.experiments.presets import get_preset
 
 COMPARED = (
@@ -268,14 +269,7 @@ def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight,
     out = tmp_path / "dist"
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            DISTRO_OPT_RENDEZVOUS_FILE=str(tmp_path / "rendezvous"),  # no TCP store, no name lookups
-            GLOO_SOCKET_IFNAME="lo",
-        )
+        env = {**os.environ, **one_machine_env(rank, 2, tmp_path / "rendezvous")}  # no TCP store
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "distro_opt.experiments.run", *tiny_args(corpus, out, steps=40)],

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from distro_opt.experiments.process_group import one_machine_env
+
 WORKER = Path(__file__).with_name("_dist_worker.py")
 HEADER_BYTES = 8
 
@@ -23,14 +25,7 @@ def launch(jobs, world_size, tmp_path, timeout_s=60.0, wait_ranks=None, dist_bac
     """Run ``world_size`` ranks doing ``jobs`` ([name, scenario, args] each, in order); wait for
     ``wait_ranks`` (default all) and kill the rest. Returns ``(results, returncodes)``: results[r] is
     what rank r saved, ``{name: result}`` (None if it saved nothing)."""
-    env = dict(
-        os.environ,
-        DISTRO_OPT_RENDEZVOUS_FILE=str(tmp_path / "rendezvous"),  # no TCP store (experiments.process_group)
-        WORLD_SIZE=str(world_size),
-        GLOO_SOCKET_IFNAME="lo",  # Gloo's own sockets on the loopback interface only
-        OMP_NUM_THREADS="1",
-        TEST_DIST_BACKEND=dist_backend,
-    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", TEST_DIST_BACKEND=dist_backend)
     procs, logs = [], []
     try:
         for r in range(world_size):
@@ -38,7 +33,8 @@ def launch(jobs, world_size, tmp_path, timeout_s=60.0, wait_ranks=None, dist_bac
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), str(tmp_path), json.dumps(jobs, default=str)],
-                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=log, stderr=subprocess.STDOUT,
+                env={**env, **one_machine_env(r, world_size, tmp_path / "rendezvous")},  # no TCP store
+                stdout=log, stderr=subprocess.STDOUT,
             ))
         deadline = time.monotonic() + timeout_s
         for r in (range(world_size) if wait_ranks is None else wait_ranks):
