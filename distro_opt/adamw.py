@@ -190,7 +190,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         if self._inner is not None:
             return self._outer_update(group, p, direction, state)
         target = self._view(p, direction)
-        self._weight_decay(group, target)
+        self._weight_decay(group, p)  # on p itself: a contiguous pass is cheaper than the blocked view
         if group["update"] == "sign":
             return self._sign_step(group, target, direction)
         if group["update"] == "rms":

@@ -60,5 +60,5 @@ class DeMo(DecoupledMomentumOptimizer):
 
     def _update(self, group, p, direction, state):
         target = self._view(p, direction)
-        self._weight_decay(group, target)
+        self._weight_decay(group, p)  # on p itself: a contiguous pass is cheaper than the blocked view
         self._sign_step(group, target, direction)

@@ -42,3 +42,24 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     candidates = groups.gather(1, best.unsqueeze(2).expand(rows, k, GROUP)).view(rows, k * GROUP)
     pick = candidates.abs_().topk(k, dim=1, sorted=False).indices  # positions among the candidates
     return best.gather(1, pick // GROUP) * GROUP + pick % GROUP
+
+
+def topk_abs_in_runs(rows: torch.Tensor, run_rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k by magnitude per chunk when chunks are scattered over the rows of ``rows``.
+
+    ``rows`` (R, c) holds the coefficients in the tensors' own layout, a run of c along the last
+    axis per row; ``run_rows`` (chunks, G) names each chunk's G runs in order (see
+    ``DCTTransform.run_rows``). Steps 1-2 above with the runs as groups: the k runs with the largest
+    peaks are the candidates. Returns (indices within each chunk, chunk-major, and positions in
+    ``rows.view(-1)``), both (chunks, k)."""
+    chunks, runs = run_rows.shape
+    c = rows.shape[1]
+    if k < runs:
+        best = group_peaks(rows)[run_rows].topk(k, dim=1, sorted=False).indices  # (chunks, k) run numbers
+    else:  # every run is a candidate
+        best = torch.arange(runs, device=rows.device).expand(chunks, runs)
+    picked_rows = run_rows.gather(1, best)
+    candidates = rows.index_select(0, picked_rows.reshape(-1)).view(chunks, -1)
+    pick = candidates.abs_().topk(k, dim=1, sorted=False).indices
+    run, offset = pick // c, pick % c
+    return best.gather(1, run) * c + offset, picked_rows.gather(1, run) * c + offset

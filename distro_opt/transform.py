@@ -15,10 +15,6 @@ import math
 
 import torch
 
-# Sparse inverse of a 2-D chunk from up to this many coefficients: a sum of outer products (measured
-# ~2x faster than torch's batched GEMM for 4 per 64x64 chunk on CPU, slower beyond ~8).
-SUM_OUTER_MAX = 8
-
 
 def chunk_size(n: int, target: int) -> int:
     """The largest divisor of ``n`` that is <= ``target`` (``n`` itself when ``n <= target``)."""
@@ -55,16 +51,16 @@ class DCTTransform:
         """Chunk shape of a tensor of ``shape``; a 0-d tensor is treated as shape (1,)."""
         return tuple(chunk_size(n, target) for n in (tuple(shape) or (1,)))
 
-    def _workspace(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A reused output buffer on the CPU, where a fresh model-sized tensor costs more in page
-        faults (~2.5 ms per 20 MB here) than filling it; a new tensor elsewhere (CUDA's caching
+    def _workspace(self, purpose: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A reused buffer per ``purpose`` on the CPU, where a fresh model-sized tensor costs more in
+        page faults (~2.5 ms per 20 MB here) than filling it; a new tensor elsewhere (CUDA's caching
         allocator already reuses memory)."""
         if like.device.type != "cpu":
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         n = math.prod(shape)
-        buf = self._scratch.get(like.dtype)
+        buf = self._scratch.get((purpose, like.dtype))
         if buf is None or buf.numel() < n:
-            buf = self._scratch[like.dtype] = torch.empty(n, dtype=like.dtype)
+            buf = self._scratch[(purpose, like.dtype)] = torch.empty(n, dtype=like.dtype)
         return buf[:n].view(shape)
 
     def _basis(self, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -73,20 +69,67 @@ class DCTTransform:
             self._bases[key] = dct_matrix(n, like.dtype, like.device)
         return self._bases[key]
 
+    def _batched_basis(self, c: int, b: int, like: torch.Tensor) -> torch.Tensor:
+        """D repeated b times in memory: torch's batched GEMM runs ~1.8x slower (measured) when the
+        batch is an expanded (stride-0) view."""
+        key = (c, b, like.dtype, like.device)
+        if key not in self._bases:
+            self._bases[key] = self._basis(c, like).expand(b, c, c).contiguous()
+        return self._bases[key]
+
+    def _axis(self, y: torch.Tensor, shape: tuple[int, ...], axis: int, c: int, inverse: bool, out=None):
+        """Multiply every chunk along ``axis`` by D (forward) or D^T (inverse), in the tensor's own
+        layout: the last axis as one large GEMM, another as a batched D @ (c, rest) product."""
+        basis = self._basis(c, y)
+        rest = math.prod(shape[axis + 1 :])
+        if rest == 1:
+            out = None if out is None else out.view(-1, c)
+            return torch.mm(y.reshape(-1, c), basis if inverse else basis.T, out=out)
+        y = y.reshape(-1, c, rest)
+        return torch.matmul(basis.T if inverse else basis, y)
+
     def _apply(self, y: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...], inverse: bool):
-        """Multiply every chunk of every axis by D (forward) or D^T (inverse), in the tensor's own
-        layout: the last axis as one large GEMM, the others as a batched D @ (c, rest) product, so
-        no data moves between the per-axis products."""
+        """Transform every chunk along every axis, in the tensor's own layout, so no data moves
+        between the per-axis products."""
         for axis, c in enumerate(chunk):
-            if c == 1:
-                continue
-            basis = self._basis(c, y)
-            rest = math.prod(shape[axis + 1 :])
-            if rest == 1:
-                y = y.reshape(-1, c) @ (basis if inverse else basis.T)
-            else:
-                y = torch.matmul(basis.T if inverse else basis, y.reshape(-1, c, rest))
+            if c > 1:
+                y = self._axis(y, shape, axis, c, inverse)
         return y.reshape(shape)
+
+    def accumulate(self, xs: list[torch.Tensor], chunk, old: torch.Tensor, out: torch.Tensor, decay: float, scale: float):
+        """``out = decay * old + scale * DCT(x)`` for every ``x`` of ``xs`` (tensors of one shape),
+        where ``old`` and ``out`` are flat and hold the xs' coefficients back to back, each in its
+        tensor's own layout (as ``forward`` returns them).
+
+        All axes but the first are transformed tensor by tensor into a workspace; the first axis
+        and the accumulation are then one batched GEMM over all the xs (``baddbmm`` with
+        beta = decay), so the momentum update costs no pass of its own."""
+        shape = tuple(xs[0].shape) or (1,)
+        n = math.prod(shape)
+        if len(xs) == 1 and all(c == 1 for c in chunk[1:]):
+            z = xs[0].reshape(-1)  # nothing to transform before the first axis: no copy
+        else:
+            z = self._workspace("forward", (len(xs) * n,), old)
+            for i, x in enumerate(xs):
+                piece, y = z[i * n : (i + 1) * n], x
+                for axis in range(1, len(chunk)):
+                    if chunk[axis] > 1:
+                        last = all(c == 1 for c in chunk[axis + 1 :])
+                        y = self._axis(y, shape, axis, chunk[axis], False, out=piece if last else None)
+                if y.data_ptr() != piece.data_ptr():
+                    piece.view(shape).copy_(y.reshape(shape))
+        c, rest = chunk[0], n // shape[0]
+        if c == 1:
+            torch.mul(old, decay, out=out).add_(z, alpha=scale)
+        elif rest == 1:
+            basis = self._basis(c, old)
+            torch.addmm(old.view(-1, c), z.view(-1, c), basis.T, beta=decay, alpha=scale, out=out.view(-1, c))
+        else:
+            b = out.numel() // (c * rest)
+            torch.baddbmm(
+                old.view(b, c, rest), self._batched_basis(c, b, old), z.view(b, c, rest), beta=decay, alpha=scale,
+                out=out.view(b, c, rest),
+            )
 
     @staticmethod
     def blocked_shape(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[int, ...]:
@@ -99,12 +142,39 @@ class DCTTransform:
         no dimension is transformed."""
         return self._apply(x, tuple(x.shape) or (1,), chunk, inverse=False)
 
+    def inverse(self, y: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
+        """Inverse of ``forward``: coefficients in the tensor's own layout back to the tensor."""
+        return self._apply(y, tuple(y.shape) or (1,), chunk, inverse=True).reshape(y.shape)
+
     @classmethod
     def chunk_major(cls, y: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
         """``forward``'s output as (b_1, ..., b_d, c_1, ..., c_d): chunk-major, a view where possible."""
         d = len(chunk)
         blocked = y.reshape(cls.blocked_shape(tuple(y.shape), chunk))
         return blocked.permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2))
+
+    @classmethod
+    def own_layout_is_chunk_major(cls, shape: tuple[int, ...], chunk: tuple[int, ...]) -> bool:
+        """True when a tensor's own layout already lists its chunks one after the other (1-D
+        tensors, or all blocks but the first of size 1), so coefficient rows need no copy."""
+        probe = torch.empty(cls.blocked_shape(shape, chunk), device="meta")
+        d = len(chunk)
+        return probe.permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2)).is_contiguous()
+
+    @staticmethod
+    def run_rows(shape: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
+        """(num_chunks, chunk_numel // c_d): for each chunk (chunk-major order) and each of its runs
+        of c_d coefficients along the last axis (in the chunk's own row-major order), that run's
+        row in the tensor's own layout viewed as (numel // c_d, c_d)."""
+        shape = tuple(shape) or (1,)
+        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        base = torch.zeros((), dtype=torch.long)
+        offs = torch.zeros((), dtype=torch.long)
+        for i, (n, c) in enumerate(zip(shape, chunk)):
+            base = base.unsqueeze(-1) + torch.arange(n // c) * (c * strides[i])
+            if i < len(shape) - 1:
+                offs = offs.unsqueeze(-1) + torch.arange(c) * strides[i]
+        return (base.reshape(-1, 1) + offs.reshape(1, -1)) // chunk[-1]
 
     def encode(self, x: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
         """DCT of every chunk of ``x``: a (num_chunks, chunk_numel) coefficient matrix."""
@@ -136,8 +206,9 @@ class DCTTransform:
         up element for element, so an update needs no copy back to the tensor's own layout. On the
         CPU the views share one workspace of this transform: they hold until the next call.
 
-        With few coefficients per chunk (m < the sum of the chunk's sides) each chunk is the sum of
-        its m basis outer products, cheaper than the dense inverse; otherwise the dense inverse."""
+        With few coefficients per chunk (m < the sum of the chunk's sides) each chunk is a product of
+        its m first-axis basis rows and m last-axis basis rows (one batched GEMM with inner size m),
+        cheaper than the dense inverse; otherwise the dense inverse."""
         if len(chunk) > 2 or idx.shape[1] >= sum(chunk):
             dense = torch.zeros(idx.shape[0], math.prod(chunk), dtype=values.dtype, device=values.device)
             dense.scatter_add_(1, idx, values)
@@ -147,13 +218,8 @@ class DCTTransform:
             y = last.sum(1)
         else:
             first = self._basis(chunk[0], values)[idx // chunk[-1]]  # (B, m, c_first)
-            y = self._workspace((idx.shape[0], chunk[0], chunk[-1]), values)
-            if idx.shape[1] <= SUM_OUTER_MAX:  # a few outer products: adding them up beats a batched GEMM of tiny matrices
-                torch.mul(first[:, 0].unsqueeze(2), last[:, 0].unsqueeze(1), out=y)
-                for i in range(1, idx.shape[1]):
-                    y.addcmul_(first[:, i].unsqueeze(2), last[:, i].unsqueeze(1))
-            else:
-                torch.bmm(first.transpose(1, 2), last, out=y)
+            y = self._workspace("inverse", (idx.shape[0], chunk[0], chunk[-1]), values)
+            torch.bmm(first.transpose(1, 2), last, out=y)
         return [self.blocked(y[a:b], tuple(shape) or (1,), chunk) for a, b, shape in pieces]
 
     def decode_sparse(self, idx: torch.Tensor, values: torch.Tensor, shape, chunk) -> torch.Tensor:

@@ -29,7 +29,6 @@ stalls" and the issue-6 notes quote its output. It reads the optimizer's private
 its private ``_inputs`` / ``_compress`` per instance, so it may need updating when those change.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -44,6 +43,7 @@ import torch
 
 from distro_opt.comm import InProcessBackend
 from distro_opt.quant import value_codec
+from distro_opt.transform import DCTTransform
 from distro_opt.experiments.arms import build_optimizer, param_part, parse_arms
 from distro_opt.experiments.data import load_corpus, val_batches, worker_batch
 from distro_opt.experiments.model import build_model
@@ -103,18 +103,25 @@ class Member:
     topk_pg_sq: float  # ||top-k of dct_pg||^2
 
 
+def chunk_rows(delta: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
+    """An error-feedback buffer (the parameter's shape, see DecoupledMomentumOptimizer.state_dict)
+    as (num_chunks, chunk_numel) rows, the order the payload's indices refer to."""
+    rows = DCTTransform.chunk_major(delta.reshape(tuple(delta.shape) or (1,)), chunk)
+    return rows.reshape(-1, math.prod(chunk))
+
+
 def segment_members(entries, layout, parts, news, delta_old, kind_of) -> list[Member]:
     """Rebuilds pre / kept / sent per member from what ``_compress`` returned, in segment rows order."""
     members = []
     for seg, (idx, vbytes) in zip(layout.segments, parts):
         sent_vals = value_codec(seg.bits).decode(vbytes, seg.num_chunks, seg.k)
-        resid = torch.cat([news[m].reshape(-1, seg.chunk_numel) for m in seg.members])
+        resid = torch.cat([chunk_rows(news[m], seg.chunk) for m in seg.members])
         sent = torch.zeros_like(resid).scatter_(1, idx, sent_vals.to(resid.dtype))
         pre = resid + sent  # error feedback kept exactly what was not sent
         kept = torch.zeros_like(pre).scatter_(1, idx, pre.gather(1, idx))
         for m, (a, b) in zip(seg.members, seg.rows):
             d_old = delta_old[m]
-            d_old = torch.zeros_like(pre[a:b]) if d_old is None else d_old.reshape(b - a, -1)
+            d_old = torch.zeros_like(pre[a:b]) if d_old is None else chunk_rows(d_old, seg.chunk)
             dct_pg = pre[a:b] - entries[m][0]["compression_decay"] * d_old
             top = dct_pg.abs().topk(min(seg.k, dct_pg.shape[1]), dim=1)
             members.append(Member(

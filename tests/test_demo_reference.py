@@ -57,7 +57,9 @@ class ReferenceDeMo:
                 p[sl] -= self.lr * np.sign(direction)
 
 
-SHAPES = [(96, 130), (130,), (8, 4, 3, 3), ()]
+# (96, 130): chunks (16, 13), short runs along the last axis; (48, 64) and (16, 32, 48): top-k over runs of
+# scattered chunks; (130,), (8, 4, 3, 3), (): chunks already contiguous
+SHAPES = [(96, 130), (48, 64), (16, 32, 48), (130,), (8, 4, 3, 3), ()]
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -351,3 +351,60 @@ def test_rms_update_leaves_a_tensor_without_any_signal_where_it_was():
     p.grad = torch.zeros(8, 8)
     opt.step()
     assert torch.equal(p.detach(), torch.ones(8, 8))
+
+
+def test_error_feedback_buffer_is_the_dct_of_the_gradient_minus_what_was_sent_in_the_parameters_shape():
+    """One worker, 32-bit values, first step: Delta = DCT(g) with each chunk's k largest |.| sent and
+    zeroed, in the parameter's own layout. Checked against scipy, chunk by chunk."""
+    import numpy as np
+    import scipy.fft
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(128, 192))
+    p.grad = torch.randn(128, 192)
+    opt = DisTrOAdamW([p], lr=0.01, compression_topk=4, compression_bits=32)
+    opt.step()
+    delta = opt.state[p]["delta"]
+    assert delta.shape == p.shape
+    g = p.grad.double().numpy()
+    for bi in range(2):
+        for bj in range(3):
+            sl = (slice(64 * bi, 64 * bi + 64), slice(64 * bj, 64 * bj + 64))
+            coeffs = scipy.fft.dctn(g[sl], norm="ortho")
+            top = np.argsort(-np.abs(coeffs).reshape(-1))[:4]
+            coeffs.reshape(-1)[top] = 0.0
+            np.testing.assert_allclose(delta[sl].numpy(), coeffs, atol=1e-5)
+
+
+def test_checkpoint_with_chunk_rows_from_an_older_version_loads_into_the_parameters_layout():
+    from distro_opt import DCTTransform
+
+    model = make_model(width=128)
+    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    assert saved["delta_layout"] == "tensor"
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert not all(DCTTransform.own_layout_is_chunk_major(s, DCTTransform.chunk_shape(s, 64)) for s in shapes)
+    old_format = {"state": {}, "param_groups": saved["param_groups"]}  # as distro-opt saved it before
+    for (i, s), p in zip(saved["state"].items(), model.parameters()):
+        chunk = DCTTransform.chunk_shape(tuple(p.shape), 64)
+        rows = DCTTransform.chunk_major(s["delta"].reshape(tuple(p.shape) or (1,)), chunk).reshape(-1, math.prod(chunk))
+        old_format["state"][i] = dict(s, delta=rows.clone())
+    fresh = DisTrOAdamW(model.parameters(), lr=0.01)
+    fresh.load_state_dict(old_format)
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"])
+
+
+def test_checkpoint_with_an_unknown_delta_layout_or_wrong_shape_is_refused():
+    model = make_model()
+    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    train(model, opt, 1)
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match="unknown delta_layout"):
+        DisTrOAdamW(model.parameters(), lr=0.01).load_state_dict(dict(saved, delta_layout="columns"))
+    bad = {"state": {i: dict(s, delta=s["delta"].reshape(-1)[:-1]) for i, s in saved["state"].items()},
+           "param_groups": saved["param_groups"], "delta_layout": "tensor"}
+    with pytest.raises(ValueError, match="delta for parameter 0 has shape"):
+        DisTrOAdamW(model.parameters(), lr=0.01).load_state_dict(bad)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from distro_opt.select import topk_abs_indices, uses_groups
+from distro_opt.select import topk_abs_in_runs, topk_abs_indices, uses_groups
+from distro_opt.transform import DCTTransform
 
 
 @pytest.mark.parametrize("numel, k", [(4096, 1), (4096, 4), (4096, 16), (1024, 4), (64, 4), (4096, 32), (3000, 4)])
@@ -25,3 +26,15 @@ def test_non_finite_value_is_kept_so_callers_can_see_it(bad):
     kept = x.gather(1, topk_abs_indices(x, 4))
     assert not torch.isfinite(kept[1]).all()
     assert torch.isfinite(kept[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("shape, chunk, k", [((128, 192), (64, 64), 4), ((96, 80), (16, 16), 5), ((32, 48), (16, 16), 20),
+                                             ((16, 32, 48), (16, 16, 16), 6)])
+def test_top_k_over_runs_of_scattered_chunks_is_torch_topk_of_each_chunk(shape, chunk, k):
+    """Chunks left in the tensor's own layout (rows of one chunk far apart), including k >= runs."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+    idx, pos = topk_abs_in_runs(x.reshape(-1, chunk[-1]), DCTTransform.run_rows(shape, chunk), k)
+    rows = DCTTransform.chunk_major(x, chunk).reshape(idx.shape[0], -1)  # chunk-major copy for the reference
+    reference = rows.abs().topk(k, dim=1).indices
+    assert torch.equal(idx.sort(dim=1).values, reference.sort(dim=1).values)
+    assert torch.equal(x.reshape(-1)[pos], rows.gather(1, idx))  # positions point at the same values

@@ -68,3 +68,47 @@ def test_sparse_decode_equals_dense_decode_with_repeated_indices(shape, m):
     values = torch.randn(blocks, m, dtype=torch.float64)
     dense = torch.zeros(blocks, numel, dtype=torch.float64).scatter_add_(1, idx, values)
     torch.testing.assert_close(t.decode_sparse(idx, values, shape, chunk), t.decode(dense, shape, chunk))
+
+
+def _scipy_own_layout(x: np.ndarray, chunk) -> np.ndarray:
+    """Independent reference: dctn of every chunk, written back in place (the tensor's own layout)."""
+    out = np.empty_like(x)
+    for block_index in np.ndindex(*[n // c for n, c in zip(x.shape, chunk)]):
+        sl = tuple(slice(b * c, (b + 1) * c) for b, c in zip(block_index, chunk))
+        out[sl] = scipy.fft.dctn(x[sl], type=2, norm="ortho")
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape, target", [((128, 192), 64), ((96, 130), 64), ((130,), 64), ((67, 128), 64), ((8, 12, 6, 6), 4), ((20, 3, 3), 64)]
+)
+@pytest.mark.parametrize("members", [1, 3])
+def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(shape, target, members):
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(shape) for _ in range(members)]
+    old = rng.standard_normal(members * int(np.prod(shape)))
+    out = torch.empty(old.size, dtype=torch.float64)
+    t = DCTTransform()
+    chunk = t.chunk_shape(shape, target)
+    t.accumulate([torch.from_numpy(x) for x in xs], chunk, torch.from_numpy(old), out, decay=0.9, scale=0.5)
+    want = 0.9 * old + 0.5 * np.concatenate([_scipy_own_layout(x, chunk).reshape(-1) for x in xs])
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-10)
+    # forward / inverse use the same layout
+    x = torch.from_numpy(xs[0])
+    np.testing.assert_allclose(t.forward(x, chunk).numpy(), _scipy_own_layout(xs[0], chunk), atol=1e-10)
+    torch.testing.assert_close(t.inverse(t.forward(x, chunk), chunk), x, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "shape, chunk, is_chunk_major",
+    [((128, 192), (64, 64), False), ((4096, 64), (64, 64), True), ((64, 4096), (64, 64), False), ((256,), (64,), True),
+     ((6, 10, 4), (3, 5, 2), False), ((8, 4, 3, 3), (8, 4, 3, 3), True)],
+)
+def test_run_rows_name_each_chunks_runs_along_the_last_axis(shape, chunk, is_chunk_major):
+    numel = int(np.prod(shape))
+    position = torch.arange(numel).view(shape)  # each element's position in the tensor's own layout
+    chunk_major = DCTTransform.chunk_major(position, chunk).reshape(numel // int(np.prod(chunk)), -1)
+    run_starts = chunk_major[:, :: chunk[-1]]
+    assert torch.equal(DCTTransform.run_rows(shape, chunk), run_starts // chunk[-1])
+    assert DCTTransform.own_layout_is_chunk_major(shape, chunk) == is_chunk_major
+    assert is_chunk_major == torch.equal(chunk_major.reshape(-1), torch.arange(numel))
