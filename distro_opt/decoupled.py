@@ -115,7 +115,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _sign_step(group, p, direction) -> None:
         """DeMo's update: p -= lr * sign(direction). ``direction`` is this step's own scratch tensor,
         so its sign is taken in place."""
-        p.add_(direction.sign_().to(p.dtype), alpha=-group["lr"])
+        direction.sign_()
+        p.add_(direction if direction.dtype == p.dtype else direction.to(p.dtype), alpha=-group["lr"])
 
     def _communicates_this_step(self, entries) -> bool:
         """False for a step that stays local (the local-step mode's inner steps)."""
@@ -196,7 +197,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
-                news[m] = stack[start * n : end * n].view(d.shape).to(d.dtype)  # a view unless the segment mixes dtypes
+                new = stack[start * n : end * n].view(d.shape)
+                news[m] = new if new.dtype == d.dtype else new.to(d.dtype)  # a view unless the segment mixes dtypes
         if not finite:
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
@@ -206,7 +208,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _input(p, x, dtype) -> torch.Tensor:
         if x is None:
             return torch.zeros(p.shape, dtype=dtype, device=p.device)
-        return x.to(dtype)
+        return x if x.dtype == dtype else x.to(dtype)
 
     @staticmethod
     def _runs(entries, layout, seg) -> list[list[int]]:
@@ -303,7 +305,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         other = next((buf for buf in self._stacks[j] if buf is not spare), None)
         n = seg.chunk_numel
         if other is not None and other.dtype == spare.dtype and all(
-            d.dtype == other.dtype and d.data_ptr() == other[a * n :].data_ptr() and d.is_contiguous()
+            d.dtype == other.dtype and d.data_ptr() == other.data_ptr() + a * n * other.element_size() and d.is_contiguous()
             for d, (a, _) in zip(deltas, seg.rows)
         ):
             return other
@@ -340,8 +342,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                     torch.zeros(self._transform.blocked_shape(p.shape, seg.chunk), dtype=st["delta"].dtype, device=p.device)
                     for p, st in zip(params, states)
                 ]
+            torch._foreach_add_([st["step"] for st in states], 1.0)  # applied updates: the same count on every worker
             for m, p, state, direction in zip(seg.members, params, states, directions):
-                state["step"] += 1  # applied updates: the same count on every worker
                 if not p.is_contiguous():  # no blocked view of p: bring the direction to p's layout
                     direction = direction.reshape(p.shape)
                 self._update(entries[m][0], p, direction, state)
