@@ -1,13 +1,11 @@
-"""How much would fused kernels (torch.compile) save in DisTrOAdamW's step? A prototype, not shipped.
+"""How much would a fused kernel (torch.compile) save in DisTrOAdamW's step? A prototype, not shipped.
 
-Of a DisTrOAdamW step's passes over the model, two groups are elementwise and could be fused:
+The update is the one elementwise part of a DisTrOAdamW step left as several passes over the model:
+the sparse inverse DCT of the aggregate (one batched GEMM with inner size k per chunk), its sign,
+weight decay and the step. (The momentum update ``Delta = decay * Delta + DCT(g)`` has no pass of
+its own: it is the beta of the first-axis DCT GEMM.)
 
-* the update: the sparse inverse DCT of the aggregate (a sum of a few basis outer products per
-  chunk), its sign, weight decay and the step, eager as 4 + 3 passes over every element;
-* the momentum: ``Delta = DCT(g) + decay * Delta`` and the per-group peaks ``max |Delta|`` that the
-  top-k starts from, eager as 3 passes.
-
-This times both groups over the transformer shapes of ``bench_step.py``, eager against
+This times the update over the transformer shapes of ``bench_step.py``, eager against
 ``torch.compile`` (static shapes: one compiled kernel per shape), next to the whole eager steps of
 AdamW and DisTrOAdamW, in interleaved rounds. The first call compiles (tens of seconds; Inductor
 needs a C++ compiler). Random aggregates stand in for decoded ones: only the time is of interest.
@@ -23,16 +21,16 @@ import torch
 
 from bench_step import timing_setup, transformer_shapes
 from distro_opt import DCTTransform, DisTrOAdamW
-from distro_opt.select import group_peaks
 from distro_opt.transform import dct_matrix
 
 TOPK = 4  # coefficients per chunk in the aggregate: one worker's top-4
 
 
 def update_eager(transform, p, idx, values, chunk, lr, shrink):
-    """As DisTrOAdamW does it: the transform's sparse inverse into its workspace, then sign, decay, step."""
+    """As DisTrOAdamW does it: the transform's sparse inverse into its workspace, then decay, sign, step."""
     (direction,) = transform.decode_many(idx, values, chunk, [(0, idx.shape[0], tuple(p.shape))])
-    p.view(direction.shape).mul_(shrink).add_(direction.sign_(), alpha=-lr)
+    p.mul_(shrink)
+    p.view(direction.shape).add_(direction.sign_(), alpha=-lr)
 
 
 def update_fusable(p, idx, values, basis0, basis1, lr: float, shrink: float):
@@ -42,16 +40,6 @@ def update_fusable(p, idx, values, basis0, basis1, lr: float, shrink: float):
     y = (first.unsqueeze(3) * last.unsqueeze(2)).sum(1)  # (chunks, c0, c1)
     direction = y.view(p.shape[0] // c0, p.shape[1] // c1, c0, c1).permute(0, 2, 1, 3).reshape(p.shape)
     p.mul_(shrink).add_(torch.sign(direction), alpha=-lr)
-
-
-def momentum_eager(coeffs, old, out):
-    torch.add(coeffs, old, alpha=0.999, out=out)
-    return group_peaks(out.view(out.shape[0], -1, 64))
-
-
-def momentum_fusable(coeffs, old):
-    new = coeffs + 0.999 * old
-    return new, new.view(new.shape[0], -1, 64).abs().amax(2)
 
 
 def main(argv=None):
@@ -65,26 +53,20 @@ def main(argv=None):
         chunk = transform.chunk_shape(tuple(p.shape), 64)
         if len(chunk) == 2:
             chunks, numel = p.numel() // (chunk[0] * chunk[1]), chunk[0] * chunk[1]
-            coeffs = transform.encode(p.grad, chunk)
             aggregate = (torch.randint(numel, (chunks, TOPK)), torch.randn(chunks, TOPK))
-            work.append((p.detach(), chunk, aggregate, (dct_matrix(chunk[0]), dct_matrix(chunk[1])),
-                         coeffs, torch.randn(chunks, numel), torch.empty(chunks, numel)))
+            work.append((p.detach(), chunk, aggregate, (dct_matrix(chunk[0]), dct_matrix(chunk[1]))))
     update_compiled = torch.compile(update_fusable, dynamic=False)
-    momentum_compiled = torch.compile(momentum_fusable, dynamic=False)
     start = time.perf_counter()
-    for p, _, (idx, values), bases, coeffs, old, _ in work:
+    for p, _, (idx, values), bases in work:
         update_compiled(p, idx, values, *bases, 1e-3, 0.99999)
-        momentum_compiled(coeffs, old)
     print(f"compile (or compile-cache load): {time.perf_counter() - start:.0f} s")
 
     adamw, distro = torch.optim.AdamW(params, foreach=True), DisTrOAdamW(params)
     arms = {
         "AdamW step (foreach)": adamw.step,
         "DisTrOAdamW step (eager)": distro.step,
-        "update, eager": lambda: [update_eager(transform, p, *agg, c, 1e-3, 0.99999) for p, c, agg, *_ in work],
-        "update, compiled": lambda: [update_compiled(p, *agg, *b, 1e-3, 0.99999) for p, _, agg, b, *_ in work],
-        "momentum + peaks, eager": lambda: [momentum_eager(c, o, out) for *_, c, o, out in work],
-        "momentum + peaks, compiled": lambda: [momentum_compiled(c, o) for *_, c, o, _ in work],
+        "update, eager": lambda: [update_eager(transform, p, *agg, c, 1e-3, 0.99999) for p, c, agg, _ in work],
+        "update, compiled": lambda: [update_compiled(p, *agg, *b, 1e-3, 0.99999) for p, _, agg, b in work],
     }
     times = {name: [] for name in arms}
     for fn in arms.values():
