@@ -9,8 +9,9 @@ Per parameter p with gradient g (DeMo, arXiv 2411.19870, Algorithm 1), in the DC
     p     <- update(p, IDCT(Q))                      (subclass: sign step, or an Adam-normalized step)
 
 Because the DCT is orthonormal, keeping Delta in the DCT domain is the same algorithm as the reference's
-spatial-domain buffer, and saves one inverse transform per step. Every payload (the worker's own
-included) is decoded from the gathered bytes, so all workers apply bit-identical updates.
+spatial-domain buffer, and saves one inverse transform per step. Delta is kept in each tensor's own
+layout (``momentum.py``), where its update is the beta of the DCT's GEMM. Every payload (the worker's
+own included) is decoded from the gathered bytes, so all workers apply bit-identical updates.
 """
 from __future__ import annotations
 
@@ -24,22 +25,10 @@ from distro_opt.comm import resolve_backend
 
 from .codec import PayloadLayout, aggregate, param_spec
 from .quant import PayloadError, value_codec
-from .select import topk_abs_in_runs, topk_abs_indices
+from .momentum import MomentumStacks, run_span, transform_runs
 from .transform import DCTTransform
-
-# The forward transform batches neighbouring same-shape tensors up to this many elements (its
-# workspace holds one batch: 64 MB in float32).
-RUN_NUMEL = 1 << 24
-# Top-k works on runs along the last axis of a chunk when they are at least this long; shorter ones
-# are copied to chunk-major rows first.
-MIN_RUN = 16
-# How state[p]["delta"] is laid out (see state_dict).
+# How state[p]["delta"] is laid out (see state_dict); "chunk rows" is the layout before it.
 DELTA_LAYOUT = "tensor"
-
-
-def layout_rows(seg, run) -> tuple[int, int]:
-    """The stack rows (chunks) that the neighbouring members ``run`` of ``seg`` occupy."""
-    return seg.rows[seg.members.index(run[0])][0], seg.rows[seg.members.index(run[-1])][1]
 
 
 def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits):
@@ -73,8 +62,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
         self._transform = DCTTransform()
         self._layouts: dict[tuple, PayloadLayout] = {}
-        self._stacks: dict[int, list[torch.Tensor]] = {}  # per segment: two momentum buffers in turn
-        self._run_tables: dict[tuple, torch.Tensor] = {}
+        self._stacks = MomentumStacks(self._transform)
         self._pending = None
 
     def add_param_group(self, param_group) -> None:
@@ -180,18 +168,18 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         finite = True
         for j, seg in enumerate(layout.segments):
             deltas = [self._state(entries[m][1], layout.specs[m])["delta"] for m in seg.members]
-            stack = self._spare_stack(j, seg, deltas)
-            old = self._old_stack(j, seg, deltas, stack)
+            stack = self._stacks.spare(j, seg, deltas)
+            old = self._stacks.committed(j, seg, deltas, stack)
             n = seg.chunk_numel
-            for run in self._runs(entries, layout, seg):  # new = decay * Delta + scale * DCT(g), a batched GEMM per run
+            for run in transform_runs(entries, layout, seg):  # new = decay * Delta + scale * DCT(g), a batched GEMM per run
                 group = entries[run[0]][0]
                 xs = [self._input(entries[m][1], inputs[m], stack.dtype) for m in run]
-                a, b = layout_rows(seg, run)
+                a, b = run_span(seg, run)
                 self._transform.accumulate(
                     xs, seg.chunk, old[a * n : b * n], stack[a * n : b * n],
                     decay=group["compression_decay"], scale=self._momentum_scale(group) * unscale,
                 )
-            idx, kept, feedback = self._select(layout, j, seg, stack)
+            idx, kept, feedback = self._stacks.select(layout, j, seg, stack)
             finite &= bool(torch.isfinite(kept).all())
             vbytes, sent = value_codec(seg.bits).encode(kept)
             feedback(sent)  # error feedback: keep what was not sent
@@ -209,107 +197,6 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         if x is None:
             return torch.zeros(p.shape, dtype=dtype, device=p.device)
         return x if x.dtype == dtype else x.to(dtype)
-
-    @staticmethod
-    def _runs(entries, layout, seg) -> list[list[int]]:
-        """The segment's members cut into runs of neighbours with one shape and one param group, at
-        most RUN_NUMEL elements each (the forward workspace holds one run): one batched GEMM each."""
-        runs, numel = [], 0
-        for m in seg.members:
-            size = math.prod(layout.specs[m].shape)
-            prev = runs[-1][-1] if runs else None
-            if (
-                prev is not None
-                and layout.specs[prev].shape == layout.specs[m].shape
-                and entries[prev][0] is entries[m][0]
-                and numel + size <= RUN_NUMEL
-            ):
-                runs[-1].append(m)
-                numel += size
-            else:
-                runs.append([m])
-                numel = size
-        return runs
-
-    def _select(self, layout, j, seg, stack):
-        """Top-k per chunk of the segment's new momentum (kept in each tensor's own layout).
-
-        Returns (indices within each chunk, chunk-major, as they travel; the kept values; a function
-        that subtracts what was sent from the momentum)."""
-        k, n = seg.k, seg.chunk_numel
-        run_rows = self._run_rows(layout, j, seg, stack.device)
-        if run_rows is None:
-            rows = stack.view(-1, n)  # every chunk is already a contiguous row
-            idx = topk_abs_indices(rows, k)
-            return idx, rows.gather(1, idx), lambda sent: rows.scatter_add_(1, idx, -sent)
-        if seg.chunk[-1] >= MIN_RUN:  # chunks scattered over rows: top-k over runs along the last axis
-            idx, pos = topk_abs_in_runs(stack.view(-1, seg.chunk[-1]), run_rows, k)
-            return idx, stack[pos], lambda sent: stack.index_add_(0, pos.view(-1), sent.view(-1), alpha=-1)
-        # short runs: copy to chunk-major rows and back
-        shapes = [layout.specs[m].shape for m in seg.members]
-        pieces = [(stack[a * n : b * n].view(s), a, b) for s, (a, b) in zip(shapes, seg.rows)]
-        rows = torch.cat([self._transform.chunk_major(x, seg.chunk).reshape(-1, n) for x, _, _ in pieces])
-        idx = topk_abs_indices(rows, k)
-
-        def feedback(sent):
-            rows.scatter_add_(1, idx, -sent)
-            for x, a, b in pieces:
-                x.view(self._transform.blocked_shape(x.shape, seg.chunk)).copy_(
-                    self._transform.blocked(rows[a:b], tuple(x.shape) or (1,), seg.chunk)
-                )
-
-        return idx, rows.gather(1, idx), feedback
-
-    def _run_rows(self, layout, j, seg, device) -> torch.Tensor | None:
-        """Segment ``j``'s ``DCTTransform.run_rows`` tables back to back (cached), or None when every
-        member's own layout already lists its chunks as rows."""
-        key = (id(layout), j, device)
-        if key not in self._run_tables:
-            if all(self._transform.own_layout_is_chunk_major(layout.specs[m].shape, seg.chunk) for m in seg.members):
-                self._run_tables[key] = None
-                return None
-            if seg.chunk[-1] < MIN_RUN:  # the copy path needs no table
-                self._run_tables[key] = torch.empty(0)
-                return self._run_tables[key]
-            tables, offset = [], 0
-            for m, (a, b) in zip(seg.members, seg.rows):
-                tables.append(self._transform.run_rows(layout.specs[m].shape, seg.chunk) + offset)
-                offset += (b - a) * seg.chunk_numel // seg.chunk[-1]
-            self._run_tables[key] = torch.cat(tables).to(device)
-        return self._run_tables[key]
-
-    def _spare_stack(self, j, seg, deltas) -> torch.Tensor:
-        """Segment ``j``'s flat buffer for this step's new momentum: its members back to back, each
-        in its tensor's own layout.
-
-        Two buffers per segment take turns: the state holds views of one (the momentum committed
-        last step) while the step writes the other, so nothing in the state changes before the
-        step commits, and no step allocates (and page-faults) a model-sized tensor."""
-        dtype = deltas[0].dtype
-        for d in deltas[1:]:
-            dtype = torch.promote_types(dtype, d.dtype)
-        shape, device = (seg.num_chunks * seg.chunk_numel,), deltas[0].device
-        in_use = {d.untyped_storage().data_ptr() for d in deltas}
-        pair = self._stacks.get(j)
-        if (
-            pair is None
-            or (pair[0].shape, pair[0].dtype, pair[0].device) != (shape, dtype, device)
-            or all(buf.untyped_storage().data_ptr() in in_use for buf in pair)
-        ):  # fresh buffers: no state tensor can be a view of them
-            pair = self._stacks[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
-        return next(buf for buf in pair if buf.untyped_storage().data_ptr() not in in_use)
-
-    def _old_stack(self, j, seg, deltas, spare) -> torch.Tensor:
-        """The committed momentum as one flat buffer: the other buffer of the pair when the state
-        holds its views in order (every step but the first, or one after loading), else a copy."""
-        other = next((buf for buf in self._stacks[j] if buf is not spare), None)
-        n = seg.chunk_numel
-        if other is not None and other.dtype == spare.dtype and all(
-            d.dtype == other.dtype and d.data_ptr() == other.data_ptr() + a * n * other.element_size() and d.is_contiguous()
-            for d, (a, _) in zip(deltas, seg.rows)
-        ):
-            return other
-        return torch.cat([d.reshape(-1).to(spare.dtype) for d in deltas])
 
     def _decode_all(self, layout, bufs):
         decoded = []
@@ -419,16 +306,30 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """As torch's, but buffers keep their saved dtype: torch would cast them to the parameter's
-        dtype, and a bf16 model's float32 error-feedback buffer would lose its low bits."""
+        dtype, and a bf16 model's float32 error-feedback buffer would lose its low bits. A checkpoint
+        whose error-feedback buffers do not fit the parameters is refused before anything changes."""
         state_dict = dict(state_dict)
         delta_layout = state_dict.pop("delta_layout", "chunk rows")
         if delta_layout not in (DELTA_LAYOUT, "chunk rows"):
             raise ValueError(f"checkpoint has an unknown delta_layout {delta_layout!r} (expected {DELTA_LAYOUT!r})")
-        self._pending = None
-        self._stacks = {}  # the loaded momentum may be views of these; start from fresh buffers
-        super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
         chunk_target = {id(p): g["compression_chunk"] for g in self.param_groups for p in g["params"]}
+        chunks = {}
+        for index, saved in state_dict["state"].items():
+            if isinstance(index, int) and index < len(params) and "delta" in saved:
+                p = params[index]
+                chunks[index] = self._transform.chunk_shape(tuple(p.shape), chunk_target[id(p)])
+                expected = tuple(p.shape)
+                if delta_layout == "chunk rows":
+                    expected = (p.numel() // math.prod(chunks[index]), math.prod(chunks[index]))
+                if tuple(saved["delta"].shape) != expected:
+                    raise ValueError(
+                        f"checkpoint's delta for parameter {index} has shape {tuple(saved['delta'].shape)}, "
+                        f"expected {expected} (delta_layout {delta_layout!r})"
+                    )
+        self._pending = None
+        self._stacks.reset()  # the loaded momentum may be views of these; start from fresh buffers
+        super().load_state_dict(state_dict)
         for index, saved in state_dict["state"].items():
             if isinstance(index, int) and index < len(params):
                 p = params[index]
@@ -436,12 +337,6 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 for key, value in saved.items():
                     if torch.is_tensor(value) and key != "step" and state[key].dtype != value.dtype:
                         state[key] = value.to(device=p.device, copy=True)
-                if "delta" in state and delta_layout == "chunk rows":
+                if index in chunks and delta_layout == "chunk rows":
                     shape = tuple(p.shape) or (1,)
-                    chunk = self._transform.chunk_shape(shape, chunk_target[id(p)])
-                    state["delta"] = self._transform.unchunk(state["delta"], shape, chunk).view(p.shape)
-                if "delta" in state and state["delta"].shape != p.shape:
-                    raise ValueError(
-                        f"checkpoint's delta for parameter {index} has shape {tuple(state['delta'].shape)}, "
-                        f"expected the parameter's {tuple(p.shape)}"
-                    )
+                    state["delta"] = self._transform.unchunk(state["delta"], shape, chunks[index]).view(p.shape)

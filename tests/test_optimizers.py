@@ -406,5 +406,9 @@ def test_checkpoint_with_an_unknown_delta_layout_or_wrong_shape_is_refused():
         DisTrOAdamW(model.parameters(), lr=0.01).load_state_dict(dict(saved, delta_layout="columns"))
     bad = {"state": {i: dict(s, delta=s["delta"].reshape(-1)[:-1]) for i, s in saved["state"].items()},
            "param_groups": saved["param_groups"], "delta_layout": "tensor"}
+    target = DisTrOAdamW(model.parameters(), lr=0.01)
+    train(model, target, 1)
+    before = {p: target.state[p]["delta"].clone() for p in model.parameters()}
     with pytest.raises(ValueError, match="delta for parameter 0 has shape"):
-        DisTrOAdamW(model.parameters(), lr=0.01).load_state_dict(bad)
+        target.load_state_dict(bad)
+    assert all(torch.equal(target.state[p]["delta"], d) for p, d in before.items())  # nothing changed

@@ -1,0 +1,141 @@
+"""Where the error-feedback momentum of a payload segment lives during a step, and how top-k reads it.
+
+Each segment's momentum is one flat buffer: its members back to back, each in its tensor's own
+layout (what ``DCTTransform.forward`` returns). So the transform writes it in place (the momentum
+update is the beta of the first-axis GEMM, ``DCTTransform.accumulate``), and the state holds views
+of it shaped like the parameters. A chunk's coefficients are then not contiguous: top-k finds them
+as runs along the last axis (``topk_abs_in_runs``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .select import topk_abs_in_runs, topk_abs_indices
+from .transform import DCTTransform
+
+# The forward transform batches neighbouring same-shape tensors up to this many elements (its
+# workspace holds one batch: 64 MB in float32).
+RUN_NUMEL = 1 << 24
+# Top-k works on runs along the last axis of a chunk when they are at least this long; shorter ones
+# are copied to chunk-major rows first.
+MIN_RUN = 16
+
+
+def transform_runs(entries, layout, seg) -> list[list[int]]:
+    """The segment's members cut into runs of neighbours with one shape and one param group, at most
+    RUN_NUMEL elements each: one batched GEMM each."""
+    runs, numel = [], 0
+    for m in seg.members:
+        size = math.prod(layout.specs[m].shape)
+        prev = runs[-1][-1] if runs else None
+        if (
+            prev is not None
+            and layout.specs[prev].shape == layout.specs[m].shape
+            and entries[prev][0] is entries[m][0]
+            and numel + size <= RUN_NUMEL
+        ):
+            runs[-1].append(m)
+            numel += size
+        else:
+            runs.append([m])
+            numel = size
+    return runs
+
+
+def run_span(seg, run) -> tuple[int, int]:
+    """The chunks (first, end) that the neighbouring members ``run`` of ``seg`` occupy."""
+    return seg.rows[seg.members.index(run[0])][0], seg.rows[seg.members.index(run[-1])][1]
+
+
+class MomentumStacks:
+    """Per segment ``j`` of a layout: two flat momentum buffers used in turn, and the top-k over one.
+
+    The state holds views of one buffer (the momentum committed last step) while the step writes
+    the other, so nothing in the state changes before the step commits, and no step allocates (and
+    page-faults) a model-sized tensor."""
+
+    def __init__(self, transform: DCTTransform):
+        self._transform = transform
+        self._pairs: dict[int, list[torch.Tensor]] = {}
+        self._run_tables: dict[tuple, torch.Tensor | None] = {}
+
+    def reset(self) -> None:
+        """Forget the buffers (after loading a state: its tensors may be views of them)."""
+        self._pairs = {}
+
+    def spare(self, j, seg, deltas) -> torch.Tensor:
+        """The buffer that no state tensor views: this step's new momentum goes there."""
+        dtype = deltas[0].dtype
+        for d in deltas[1:]:
+            dtype = torch.promote_types(dtype, d.dtype)
+        shape, device = (seg.num_chunks * seg.chunk_numel,), deltas[0].device
+        in_use = {d.untyped_storage().data_ptr() for d in deltas}
+        pair = self._pairs.get(j)
+        if (
+            pair is None
+            or (pair[0].shape, pair[0].dtype, pair[0].device) != (shape, dtype, device)
+            or all(buf.untyped_storage().data_ptr() in in_use for buf in pair)
+        ):  # fresh buffers: no state tensor can be a view of them
+            pair = self._pairs[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+        return next(buf for buf in pair if buf.untyped_storage().data_ptr() not in in_use)
+
+    def committed(self, j, seg, deltas, spare) -> torch.Tensor:
+        """The committed momentum as one flat buffer: the other buffer of the pair when the state
+        holds its views in order (every step but the first, or one after loading), else a copy."""
+        other = next((buf for buf in self._pairs[j] if buf is not spare), None)
+        n = seg.chunk_numel
+        if other is not None and other.dtype == spare.dtype and all(
+            d.dtype == other.dtype and d.data_ptr() == other.data_ptr() + a * n * other.element_size() and d.is_contiguous()
+            for d, (a, _) in zip(deltas, seg.rows)
+        ):
+            return other
+        return torch.cat([d.reshape(-1).to(spare.dtype) for d in deltas])
+
+    def select(self, layout, j, seg, stack):
+        """Top-k per chunk of the segment's new momentum ``stack``.
+
+        Returns (indices within each chunk, chunk-major, as they travel; the kept values; a function
+        that subtracts what was sent from ``stack``)."""
+        k, n = seg.k, seg.chunk_numel
+        run_rows = self._run_rows(layout, j, seg, stack.device)
+        if run_rows is None:
+            rows = stack.view(-1, n)  # every chunk is already a contiguous row
+            idx = topk_abs_indices(rows, k)
+            return idx, rows.gather(1, idx), lambda sent: rows.scatter_add_(1, idx, -sent)
+        if seg.chunk[-1] >= MIN_RUN:  # chunks scattered over rows: top-k over runs along the last axis
+            idx, pos = topk_abs_in_runs(stack.view(-1, seg.chunk[-1]), run_rows, k)
+            return idx, stack[pos], lambda sent: stack.index_add_(0, pos.view(-1), sent.view(-1), alpha=-1)
+        # short runs: copy to chunk-major rows and back
+        shapes = [layout.specs[m].shape for m in seg.members]
+        pieces = [(stack[a * n : b * n].view(s), a, b) for s, (a, b) in zip(shapes, seg.rows)]
+        rows = torch.cat([self._transform.chunk_major(x, seg.chunk).reshape(-1, n) for x, _, _ in pieces])
+        idx = topk_abs_indices(rows, k)
+
+        def feedback(sent):
+            rows.scatter_add_(1, idx, -sent)
+            for x, a, b in pieces:
+                x.view(self._transform.blocked_shape(x.shape, seg.chunk)).copy_(
+                    self._transform.blocked(rows[a:b], tuple(x.shape) or (1,), seg.chunk)
+                )
+
+        return idx, rows.gather(1, idx), feedback
+
+    def _run_rows(self, layout, j, seg, device) -> torch.Tensor | None:
+        """Segment ``j``'s ``DCTTransform.run_rows`` tables back to back (cached), None when every
+        member's own layout already lists its chunks as rows, empty for the copy path."""
+        key = (id(layout), j, device)
+        if key not in self._run_tables:
+            if all(self._transform.own_layout_is_chunk_major(layout.specs[m].shape, seg.chunk) for m in seg.members):
+                table = None
+            elif seg.chunk[-1] < MIN_RUN:
+                table = torch.empty(0)
+            else:
+                tables, offset = [], 0
+                for m, (a, b) in zip(seg.members, seg.rows):
+                    tables.append(self._transform.run_rows(layout.specs[m].shape, seg.chunk) + offset)
+                    offset += (b - a) * seg.chunk_numel // seg.chunk[-1]
+                table = torch.cat(tables).to(device)
+            self._run_tables[key] = table
+        return self._run_tables[key]
