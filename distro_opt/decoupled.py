@@ -27,6 +27,7 @@ from .codec import PayloadLayout, aggregate, param_spec
 from .quant import PayloadError, value_codec
 from .momentum import MomentumStacks, run_span, transform_runs
 from .transform import DCTTransform
+
 # How state[p]["delta"] is laid out (see state_dict); "chunk rows" is the layout before it.
 DELTA_LAYOUT = "tensor"
 
@@ -103,8 +104,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _sign_step(group, p, direction) -> None:
         """DeMo's update: p -= lr * sign(direction). ``direction`` is this step's own scratch tensor,
         so its sign is taken in place."""
-        direction.sign_()
-        p.add_(direction if direction.dtype == p.dtype else direction.to(p.dtype), alpha=-group["lr"])
+        p.add_(direction.sign_().to(p.dtype), alpha=-group["lr"])
 
     def _communicates_this_step(self, entries) -> bool:
         """False for a step that stays local (the local-step mode's inner steps)."""
@@ -185,8 +185,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
-                new = stack[start * n : end * n].view(d.shape)
-                news[m] = new if new.dtype == d.dtype else new.to(d.dtype)  # a view unless the segment mixes dtypes
+                news[m] = stack[start * n : end * n].view(d.shape).to(d.dtype)  # a view unless the segment mixes dtypes
         if not finite:
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
@@ -196,7 +195,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _input(p, x, dtype) -> torch.Tensor:
         if x is None:
             return torch.zeros(p.shape, dtype=dtype, device=p.device)
-        return x if x.dtype == dtype else x.to(dtype)
+        return x.to(dtype)
 
     def _decode_all(self, layout, bufs):
         decoded = []

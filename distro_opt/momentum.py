@@ -110,7 +110,7 @@ class MomentumStacks:
         # short runs: copy to chunk-major rows and back
         shapes = [layout.specs[m].shape for m in seg.members]
         pieces = [(stack[a * n : b * n].view(s), a, b) for s, (a, b) in zip(shapes, seg.rows)]
-        rows = torch.cat([self._transform.chunk_major(x, seg.chunk).reshape(-1, n) for x, _, _ in pieces])
+        rows = torch.cat([self._transform.chunk_rows(x, seg.chunk) for x, _, _ in pieces])
         idx = topk_abs_indices(rows, k)
 
         def feedback(sent):

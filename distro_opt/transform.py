@@ -93,12 +93,13 @@ class DCTTransform:
         y = y.reshape(-1, c, rest)
         return torch.bmm(self._batched_basis(c, y.shape[0], rest, y, inverse), y)
 
-    def _apply(self, y: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...], inverse: bool):
-        """Transform every chunk along every axis, in the tensor's own layout, so no data moves
-        between the per-axis products."""
-        for axis, c in enumerate(chunk):
-            if c > 1:
-                y = self._axis(y, shape, axis, c, inverse)
+    def _apply(self, y: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...], inverse: bool, first_axis=0, out=None):
+        """Transform every chunk along every axis from ``first_axis`` on, in the tensor's own layout,
+        so no data moves between the per-axis products. ``out`` receives the last product when that
+        is the last axis's GEMM (check the result's ``data_ptr`` to know)."""
+        axes = [axis for axis in range(first_axis, len(chunk)) if chunk[axis] > 1]
+        for axis in axes:
+            y = self._axis(y, shape, axis, chunk[axis], inverse, out=out if axis == axes[-1] else None)
         return y.reshape(shape)
 
     def accumulate(self, xs: list[torch.Tensor], chunk, old: torch.Tensor, out: torch.Tensor, decay: float, scale: float):
@@ -116,13 +117,10 @@ class DCTTransform:
         else:
             z = self._workspace("forward", (len(xs) * n,), old)
             for i, x in enumerate(xs):
-                piece, y = z[i * n : (i + 1) * n], x
-                for axis in range(1, len(chunk)):
-                    if chunk[axis] > 1:
-                        last = all(c == 1 for c in chunk[axis + 1 :])
-                        y = self._axis(y, shape, axis, chunk[axis], False, out=piece if last else None)
+                piece = z[i * n : (i + 1) * n]
+                y = self._apply(x, shape, chunk, inverse=False, first_axis=1, out=piece)
                 if y.data_ptr() != piece.data_ptr():
-                    piece.view(shape).copy_(y.reshape(shape))
+                    piece.view(shape).copy_(y)
         c, rest = chunk[0], n // shape[0]
         if c == 1:
             torch.mul(old, decay, out=out).add_(z, alpha=scale)
@@ -162,9 +160,7 @@ class DCTTransform:
     def own_layout_is_chunk_major(cls, shape: tuple[int, ...], chunk: tuple[int, ...]) -> bool:
         """True when a tensor's own layout already lists its chunks one after the other (1-D
         tensors, or all blocks but the first of size 1), so coefficient rows need no copy."""
-        probe = torch.empty(cls.blocked_shape(shape, chunk), device="meta")
-        d = len(chunk)
-        return probe.permute(*range(0, 2 * d, 2), *range(1, 2 * d, 2)).is_contiguous()
+        return cls.chunk_major(torch.empty(tuple(shape) or (1,), device="meta"), chunk).is_contiguous()
 
     @staticmethod
     def run_rows(shape: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
@@ -181,9 +177,15 @@ class DCTTransform:
                 offs = offs.unsqueeze(-1) + torch.arange(c) * strides[i]
         return (base.reshape(-1, 1) + offs.reshape(1, -1)) // chunk[-1]
 
+    @classmethod
+    def chunk_rows(cls, y: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
+        """Coefficients in a tensor's own layout as (num_chunks, chunk_numel) rows (a copy unless
+        ``own_layout_is_chunk_major``): the order the payload's indices refer to."""
+        return cls.chunk_major(y.reshape(tuple(y.shape) or (1,)), chunk).reshape(-1, math.prod(chunk))
+
     def encode(self, x: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
         """DCT of every chunk of ``x``: a (num_chunks, chunk_numel) coefficient matrix."""
-        return self.chunk_major(self.forward(x, chunk), chunk).reshape(-1, math.prod(chunk))
+        return self.chunk_rows(self.forward(x, chunk), chunk)
 
     @classmethod
     def blocked(cls, y: torch.Tensor, full: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:

@@ -103,25 +103,18 @@ class Member:
     topk_pg_sq: float  # ||top-k of dct_pg||^2
 
 
-def chunk_rows(delta: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
-    """An error-feedback buffer (the parameter's shape, see DecoupledMomentumOptimizer.state_dict)
-    as (num_chunks, chunk_numel) rows, the order the payload's indices refer to."""
-    rows = DCTTransform.chunk_major(delta.reshape(tuple(delta.shape) or (1,)), chunk)
-    return rows.reshape(-1, math.prod(chunk))
-
-
 def segment_members(entries, layout, parts, news, delta_old, kind_of) -> list[Member]:
     """Rebuilds pre / kept / sent per member from what ``_compress`` returned, in segment rows order."""
     members = []
     for seg, (idx, vbytes) in zip(layout.segments, parts):
         sent_vals = value_codec(seg.bits).decode(vbytes, seg.num_chunks, seg.k)
-        resid = torch.cat([chunk_rows(news[m], seg.chunk) for m in seg.members])
+        resid = torch.cat([DCTTransform.chunk_rows(news[m], seg.chunk) for m in seg.members])
         sent = torch.zeros_like(resid).scatter_(1, idx, sent_vals.to(resid.dtype))
         pre = resid + sent  # error feedback kept exactly what was not sent
         kept = torch.zeros_like(pre).scatter_(1, idx, pre.gather(1, idx))
         for m, (a, b) in zip(seg.members, seg.rows):
             d_old = delta_old[m]
-            d_old = torch.zeros_like(pre[a:b]) if d_old is None else chunk_rows(d_old, seg.chunk)
+            d_old = torch.zeros_like(pre[a:b]) if d_old is None else DCTTransform.chunk_rows(d_old, seg.chunk)
             dct_pg = pre[a:b] - entries[m][0]["compression_decay"] * d_old
             top = dct_pg.abs().topk(min(seg.k, dct_pg.shape[1]), dim=1)
             members.append(Member(
