@@ -92,6 +92,7 @@ class ScaledValues:
             raise ValueError(f"Invalid compression_bits for a scaled codec: {nbits}")
         self.nbits = nbits
         self.levels = (1 << nbits) - 1 if nbits > 1 else 1  # 8 bits: 255 levels, -127..127
+        self._units: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def nbytes(self, num_chunks: int, k: int) -> int:
         return packed_nbytes(num_chunks * k, self.nbits) + SCALE_NBYTES * num_chunks
@@ -109,13 +110,24 @@ class ScaledValues:
             return torch.clamp(torch.round((x + 1) * 1.5), 0, 3).to(torch.int64)
         return torch.clamp(torch.round(x * 127), -127, 127).to(torch.int64) + 127
 
+    def _unit_values(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Each code's value for a scale of 1, computed on the CPU (cached per dtype and device):
+        CUDA divides by a Python number as a multiplication by its reciprocal, which is 1 ulp off
+        for 1/127, so a GPU worker computing them itself would decode other values than a CPU one."""
+        key = (dtype, device)
+        if key not in self._units:
+            c = torch.arange(1 << self.nbits, dtype=dtype)
+            if self.nbits == 1:
+                unit = 2 * c - 1
+            elif self.nbits == 2:
+                unit = c / 1.5 - 1
+            else:
+                unit = (c - 127) / 127  # code 255 is refused before decoding; its entry is never used
+            self._units[key] = unit.to(device)
+        return self._units[key]
+
     def _values(self, codes, scale):
-        c = codes.to(scale.dtype)
-        if self.nbits == 1:
-            return (2 * c - 1) * scale
-        if self.nbits == 2:
-            return (c / 1.5 - 1) * scale
-        return (c - 127) / 127 * scale
+        return self._unit_values(scale.dtype, scale.device)[codes] * scale
 
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self._scale(values)
