@@ -1,12 +1,13 @@
 """Optimizer step time of DisTrOAdamW and DeMo against torch.optim.AdamW(foreach=True), and bytes per step.
 
 Shapes: a ~5M-parameter Llama-style transformer (4 layers, width 256, SwiGLU FFN 1024, vocab 4096,
-tied embeddings). Gradients are random; one worker (the collective is then a local copy), so what
+tied embeddings), or with ``--model 1.2b`` the DisTrO report's (16 layers, width 2048, FFN 8192,
+vocab 32000, tied here: 1.14B parameters; for a GPU, ~80 GB with all arms). Gradients are random; one worker (the collective is then a local copy), so what
 is timed is the optimizer's own work: DCT, top-k, quantization, packing, decoding, aggregation.
 The arms are timed in interleaved rounds so machine noise hits them alike; the table reports the
 median per-step time and the median over rounds of the ratio to AdamW within each round.
 
-    python benchmarks/bench_step.py [--steps 20] [--rounds 5] [--threads 2]
+    python benchmarks/bench_step.py [--steps 20] [--rounds 5] [--threads 2] [--device cuda] [--model 1.2b]
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import time
 import torch
 
 from distro_opt import DCTTransform, DeMo, DisTrOAdamW
+
+
+MODELS = {"5m": dict(layers=4, width=256, ffn=1024, vocab=4096),
+          "1.2b": dict(layers=16, width=2048, ffn=8192, vocab=32000)}
 
 
 def transformer_shapes(layers=4, width=256, ffn=1024, vocab=4096):
@@ -51,35 +56,54 @@ ARMS = {
 }
 
 
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_steps(opt, params, grads, steps):
     for p, g in zip(params, grads):
         p.grad = g
+    device = params[0].device
+    synchronize(device)  # a GPU's queued work is timed where it runs, not where it was launched
     start = time.perf_counter()
     for _ in range(steps):
         opt.step()
+    synchronize(device)
     return (time.perf_counter() - start) / steps
 
 
-def timing_setup(description, argv, threads=2, rounds=5, steps=20):
-    """Parse the timing options shared by the benchmarks, set torch's threads and seed."""
+def timing_setup(description, argv, threads=2, rounds=5, steps=20, extra=None):
+    """Parse the timing options shared by the benchmarks (``extra(parser)`` adds more), set torch's
+    threads and seed."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=steps, help="steps (repetitions) per timed round")
     parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds per arm")
     parser.add_argument("--threads", type=int, default=threads, help="torch intra-op threads")
+    if extra is not None:
+        extra(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     return args
 
 
+def add_model_options(parser):
+    parser.add_argument("--model", choices=sorted(MODELS), default="5m", help="whose shapes (default 5m)")
+    parser.add_argument("--device", default="cpu", help="where the tensors live: cpu (default), cuda, cuda:1")
+
+
 def main(argv=None):
-    args = timing_setup(__doc__.splitlines()[0], argv)
-    shapes = transformer_shapes()
+    args = timing_setup(__doc__.splitlines()[0], argv, extra=add_model_options)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA GPU here")
+    shapes = transformer_shapes(**MODELS[args.model])
     nparams = sum(torch.Size(s).numel() for s in shapes)
     setups = {}
     for name, make in ARMS.items():
-        params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-        grads = [torch.randn(s) * 1e-3 for s in shapes]
+        params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
+        grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
         opt = make(params)
         time_steps(opt, params, grads, 2)  # warm-up: lazy state, caches
         setups[name] = (opt, params, grads, [])
@@ -87,7 +111,9 @@ def main(argv=None):
         for opt, params, grads, times in setups.values():
             times.append(time_steps(opt, params, grads, args.steps))
     dense_bf16 = 2 * nparams
-    print(f"{nparams / 1e6:.2f}M parameters, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
+    where = (f"{torch.get_num_threads()} threads" if device.type == "cpu"
+             else torch.cuda.get_device_name(device))
+    print(f"{nparams / 1e6:.2f}M parameters, {where}, torch {torch.__version__}\n")
     print("| optimizer | step (ms) | vs AdamW | bytes sent per step | bytes/param | vs dense bf16 |")
     print("|---|---|---|---|---|---|")
     for name, (opt, _, _, times) in setups.items():
