@@ -63,10 +63,12 @@ class DCTTransform:
             buf = self._scratch[(purpose, like.dtype)] = torch.empty(n, dtype=like.dtype)
         return buf[:n].view(shape)
 
-    def _basis(self, n: int, like: torch.Tensor) -> torch.Tensor:
-        key = (n, like.dtype, like.device)
+    def _basis(self, n: int, like: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """D, or D^T as a contiguous copy (a GEMM with a contiguous right factor ran ~7% faster
+        here than with a transposed view)."""
+        key = (n, like.dtype, like.device, transposed)
         if key not in self._bases:
-            self._bases[key] = dct_matrix(n, like.dtype, like.device)
+            self._bases[key] = self._basis(n, like).T.contiguous() if transposed else dct_matrix(n, like.dtype, like.device)
         return self._bases[key]
 
     def _batched_basis(self, c: int, b: int, rest: int, like: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -85,11 +87,10 @@ class DCTTransform:
     def _axis(self, y: torch.Tensor, shape: tuple[int, ...], axis: int, c: int, inverse: bool, out=None):
         """Multiply every chunk along ``axis`` by D (forward) or D^T (inverse), in the tensor's own
         layout: the last axis as one large GEMM, another as a batched D @ (c, rest) product."""
-        basis = self._basis(c, y)
         rest = math.prod(shape[axis + 1 :])
         if rest == 1:
             out = None if out is None else out.view(-1, c)
-            return torch.mm(y.reshape(-1, c), basis if inverse else basis.T, out=out)
+            return torch.mm(y.reshape(-1, c), self._basis(c, y, transposed=not inverse), out=out)
         y = y.reshape(-1, c, rest)
         return torch.bmm(self._batched_basis(c, y.shape[0], rest, y, inverse), y)
 
@@ -125,8 +126,7 @@ class DCTTransform:
         if c == 1:
             torch.mul(old, decay, out=out).add_(z, alpha=scale)
         elif rest == 1:
-            basis = self._basis(c, old)
-            torch.addmm(old.view(-1, c), z.view(-1, c), basis.T, beta=decay, alpha=scale, out=out.view(-1, c))
+            torch.addmm(old.view(-1, c), z.view(-1, c), self._basis(c, old, transposed=True), beta=decay, alpha=scale, out=out.view(-1, c))
         else:
             b = out.numel() // (c * rest)
             torch.baddbmm(
