@@ -123,10 +123,15 @@ class PayloadLayout:
         """Pack (indices (rows, k), value bytes) of every segment; ``None``: a non-contributing payload."""
         buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         buf[:HEADER_NBYTES] = self.header(contributes=parts is not None)
-        for seg, (idx, vbytes) in zip(self.segments, parts or []):
-            ibytes = pack_bits(idx, seg.index_bits).cpu()
-            buf[seg.offset : seg.offset + ibytes.numel()] = ibytes
-            buf[seg.offset + seg.index_nbytes : seg.offset + seg.nbytes] = vbytes.cpu()
+        if parts:
+            # the segments are packed where they live and cross to the host in one copy (on a GPU
+            # each copy waits for the device)
+            pieces = []
+            for seg, (idx, vbytes) in zip(self.segments, parts):
+                ibytes = pack_bits(idx, seg.index_bits)
+                pieces += [ibytes, ibytes.new_zeros(seg.index_nbytes - ibytes.numel()), vbytes.reshape(-1)]
+            one_device = len({t.device for t in pieces}) == 1
+            buf[HEADER_NBYTES:] = torch.cat(pieces).cpu() if one_device else torch.cat([t.cpu() for t in pieces])
         return buf
 
     def decode(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -166,6 +171,16 @@ class PayloadLayout:
         return out
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. A host tensor goes to a GPU from pinned memory without waiting: a copy
+    from ordinary memory would hold the host until the GPU's queued work is done."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def aggregate(seg: Segment, contributions: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor):
     """DeMo's aggregate: each coefficient is the mean of the values of the workers that kept it
     (0 where nobody did). ``contributions`` are (indices, values) of one segment, one per worker.
@@ -173,8 +188,8 @@ def aggregate(seg: Segment, contributions: list[tuple[torch.Tensor, torch.Tensor
     Returned sparse, as (indices, weights) per chunk with repeats: a coefficient kept by n workers
     appears n times with weight value / n, so the repeats add up to the mean."""
     dev, dtype = like.device, like.dtype
-    idx = torch.cat([i.to(dev) for i, _ in contributions], dim=1)
-    values = torch.cat([v.to(device=dev, dtype=dtype) for _, v in contributions], dim=1)
+    idx = to_device(torch.cat([i for i, _ in contributions], dim=1), dev)
+    values = to_device(torch.cat([v.to(dtype) for _, v in contributions], dim=1), dev)
     m = idx.shape[1]
     if m * m <= seg.chunk_numel:  # few values per chunk: count repeats pairwise, no dense pass
         count = (idx.unsqueeze(2) == idx.unsqueeze(1)).sum(2).to(dtype)

@@ -165,7 +165,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         parts, news = [], [None] * len(entries)
-        finite = True
+        finite = []  # one flag per segment, read once at the end (on a GPU, a read waits for the device)
         for j, seg in enumerate(layout.segments):
             deltas = [self._state(entries[m][1], layout.specs[m])["delta"] for m in seg.members]
             stack = self._stacks.spare(j, seg, deltas)
@@ -180,13 +180,13 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                     decay=group["compression_decay"], scale=self._momentum_scale(group) * unscale,
                 )
             idx, kept, feedback = self._stacks.select(layout, j, seg, stack)
-            finite &= bool(torch.isfinite(kept).all())
+            finite.append(torch.isfinite(kept).all())
             vbytes, sent = value_codec(seg.bits).encode(kept)
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
                 news[m] = stack[start * n : end * n].view(d.shape).to(d.dtype)  # a view unless the segment mixes dtypes
-        if not finite:
+        if finite and not all(torch.stack([f.to(finite[0].device) for f in finite]).tolist()):
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
         return parts, news

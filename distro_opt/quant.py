@@ -17,6 +17,8 @@ that minimises the squared error of a sign code (as in 1-bit SGD / signSGD with 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SCALE_NBYTES = 2  # per-chunk scales travel as bfloat16: fp32 range, 8 significant bits
@@ -40,7 +42,7 @@ def pack_bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
     pad = (-bits.numel()) % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], device=flat.device)
+    weights = 1 << torch.arange(8, device=flat.device)  # made on the device: no copy from the host
     return (bits.reshape(-1, 8) * weights).sum(1).to(torch.uint8)
 
 
@@ -147,8 +149,10 @@ class ScaledValues:
         return self._values(codes, scale)
 
 
+@functools.lru_cache(maxsize=None)
 def value_codec(bits: int):
-    """The value codec for ``compression_bits``."""
+    """The value codec for ``compression_bits``: one shared instance per width, so each keeps its
+    tables across steps (codecs hold no other state)."""
     if bits in (64, 32, 16):
         return FloatValues({64: torch.float64, 32: torch.float32, 16: torch.bfloat16}[bits])
     if bits in (8, 2, 1):

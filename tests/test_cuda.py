@@ -3,6 +3,8 @@ in-process workers, and a checkpoint moves between the two devices. Skipped wher
 GPU (CI has none); ``bash scripts/gpu_check.sh`` runs them on a machine that has one."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -107,3 +109,26 @@ def test_checkpoint_moves_from_gpu_to_cpu_and_back(arm):
     back_opt.load_state_dict(cpu_opt.state_dict())
     steps(back_opt, back_params, grads, 0, 4, STEPS)
     assert_close(on_cpu(back_params), on_cpu(straight_params))
+
+
+def test_non_finite_gradient_on_the_gpu_is_caught_and_poisons_no_one():
+    init, grads = data(2)
+
+    def worker(backend):
+        params = [torch.nn.Parameter(t.to("cuda", copy=True)) for t in init]
+        opt = DisTrOAdamW(params, comm=backend, **COMPRESSION)
+        for t in range(3):
+            for p, g in zip(params, grads[t][backend.rank]):
+                p.grad = g.to(p.device)
+            if backend.rank == 1 and t == 1:
+                params[0].grad[3, 5] = float("nan")
+            opt.step()
+        return [p.detach().cpu() for p in params], [opt.state[p]["delta"].cpu() for p in params]
+
+    with warnings.catch_warnings(record=True) as caught:  # process-wide: recorded around the threads
+        warnings.simplefilter("always")
+        results = InProcessBackend.run(2, worker, timeout_s=120)
+    assert sum("non-finite local gradient" in str(w.message) for w in caught) == 1
+    for params, deltas in results:
+        assert all(torch.isfinite(t).all() for t in params + deltas)
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0]))
