@@ -5,6 +5,7 @@ import scipy.fft
 import torch
 
 from distro_opt.transform import DCTTransform, chunk_size, dct_matrix
+import distro_opt.transform as transform_module
 
 
 @pytest.mark.parametrize(
@@ -83,7 +84,11 @@ def _scipy_own_layout(x: np.ndarray, chunk) -> np.ndarray:
     "shape, target", [((128, 192), 64), ((96, 130), 64), ((130,), 64), ((67, 128), 64), ((8, 12, 6, 6), 4), ((20, 3, 3), 64)]
 )
 @pytest.mark.parametrize("members", [1, 3])
-def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(shape, target, members):
+# slabs: the default (one slab here), one first-axis block each, and slabs that cut across tensors
+@pytest.mark.parametrize("slab_numel", [transform_module.SLAB_NUMEL, 1, 5000])
+def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(shape, target, members, slab_numel,
+                                                                              monkeypatch):
+    monkeypatch.setattr(transform_module, "SLAB_NUMEL", slab_numel)
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal(shape) for _ in range(members)]
     old = rng.standard_normal(members * int(np.prod(shape)))
