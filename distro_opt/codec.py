@@ -128,8 +128,7 @@ class PayloadLayout:
             # each copy waits for the device)
             pieces = []
             for seg, (idx, vbytes) in zip(self.segments, parts):
-                ibytes = pack_bits(idx, seg.index_bits)
-                pieces += [ibytes, ibytes.new_zeros(seg.index_nbytes - ibytes.numel()), vbytes.reshape(-1)]
+                pieces += [pack_bits(idx, seg.index_bits), vbytes.reshape(-1)]  # index_nbytes, then the values
             one_device = len({t.device for t in pieces}) == 1
             buf[HEADER_NBYTES:] = torch.cat(pieces).cpu() if one_device else torch.cat([t.cpu() for t in pieces])
         return buf
