@@ -88,14 +88,22 @@ def timing_setup(description, argv, threads=2, rounds=5, steps=20, extra=None):
     return args
 
 
+def parse_device(text):
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+
+
 def add_model_options(parser):
     parser.add_argument("--model", choices=sorted(MODELS), default="5m", help="whose shapes (default 5m)")
-    parser.add_argument("--device", default="cpu", help="where the tensors live: cpu (default), cuda, cuda:1")
+    parser.add_argument("--device", type=parse_device, default="cpu",
+                        help="where the tensors live: cpu (default), cuda, cuda:1")
 
 
 def main(argv=None):
     args = timing_setup(__doc__.splitlines()[0], argv, extra=add_model_options)
-    device = torch.device(args.device)
+    device = args.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: torch sees no CUDA GPU here")
     shapes = transformer_shapes(**MODELS[args.model])
