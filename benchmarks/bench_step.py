@@ -2,8 +2,9 @@
 
 Shapes: a ~5M-parameter Llama-style transformer (4 layers, width 256, SwiGLU FFN 1024, vocab 4096,
 tied embeddings), or with ``--model 1.2b`` the DisTrO report's (16 layers, width 2048, FFN 8192,
-vocab 32000, tied here: 1.14B parameters; for a GPU, ~80 GB with all arms). Gradients are random; one worker (the collective is then a local copy), so what
-is timed is the optimizer's own work: DCT, top-k, quantization, packing, decoding, aggregation.
+vocab 32000, tied here: 1.14B parameters; for a GPU, ~80 GB with all arms). Gradients are random;
+one worker (the collective is then a local copy), so what is timed is the optimizer's own work:
+DCT, top-k, quantization, packing, decoding, aggregation.
 The arms are timed in interleaved rounds so machine noise hits them alike; the table reports the
 median per-step time and the median over rounds of the ratio to AdamW within each round.
 
