@@ -72,7 +72,10 @@ class DCTTransform:
         here than with a transposed view)."""
         key = (n, like.dtype, like.device, transposed)
         if key not in self._bases:
-            self._bases[key] = self._basis(n, like).T.contiguous() if transposed else dct_matrix(n, like.dtype, like.device)
+            if transposed:
+                self._bases[key] = self._basis(n, like).T.contiguous()
+            else:
+                self._bases[key] = dct_matrix(n, like.dtype, like.device)
         return self._bases[key]
 
     def _batched_basis(self, c: int, b: int, rest: int, like: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -149,7 +152,8 @@ class DCTTransform:
         if c == 1:
             torch.mul(old, decay, out=out).add_(z, alpha=scale)
         elif rest == 1:
-            torch.addmm(old.view(-1, c), z.view(-1, c), self._basis(c, old, transposed=True), beta=decay, alpha=scale, out=out.view(-1, c))
+            basis_t = self._basis(c, old, transposed=True)
+            torch.addmm(old.view(-1, c), z.view(-1, c), basis_t, beta=decay, alpha=scale, out=out.view(-1, c))
         else:
             b = out.numel() // (c * rest)
             torch.baddbmm(
