@@ -25,7 +25,7 @@ from distro_opt.comm import resolve_backend
 
 from .codec import PayloadLayout, aggregate, param_spec
 from .quant import PayloadError, value_codec
-from .momentum import MomentumStacks, run_span, transform_runs
+from .momentum import MomentumStacks, transform_runs
 from .transform import DCTTransform
 
 # How state[p]["delta"] is laid out (see state_dict); "chunk rows" is the layout before it.
@@ -171,10 +171,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             stack = self._stacks.spare(j, seg, deltas)
             old = self._stacks.committed(j, seg, deltas, stack)
             n = seg.chunk_numel
-            for run in transform_runs(entries, layout, seg):  # new = decay * Delta + scale * DCT(g), a batched GEMM per run
+            for run, (a, b) in transform_runs(entries, layout, seg):  # new = decay * Delta + scale * DCT(g)
                 group = entries[run[0]][0]
                 xs = [self._input(entries[m][1], inputs[m], stack.dtype) for m in run]
-                a, b = run_span(seg, run)
                 self._transform.accumulate(
                     xs, seg.chunk, old[a * n : b * n], stack[a * n : b * n],
                     decay=group["compression_decay"], scale=self._momentum_scale(group) * unscale,
@@ -186,7 +185,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             parts.append((idx, vbytes))
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
                 news[m] = stack[start * n : end * n].view(d.shape).to(d.dtype)  # a view unless the segment mixes dtypes
-        if finite and not all(torch.stack([f.to(finite[0].device) for f in finite]).tolist()):
+        if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
         return parts, news

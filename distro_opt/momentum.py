@@ -15,38 +15,34 @@ import torch
 from .select import topk_abs_in_runs, topk_abs_indices
 from .transform import DCTTransform
 
-# The forward transform batches neighbouring same-shape tensors up to this many elements (its
-# workspace holds one batch: 64 MB in float32).
+# The forward transform batches neighbouring same-shape tensors up to this many elements (off the
+# CPU its workspace holds one batch: 64 MB in float32; on the CPU it works in smaller slabs).
 RUN_NUMEL = 1 << 24
 # Top-k works on runs along the last axis of a chunk when they are at least this long; shorter ones
 # are copied to chunk-major rows first.
 MIN_RUN = 16
 
 
-def transform_runs(entries, layout, seg) -> list[list[int]]:
+def transform_runs(entries, layout, seg) -> list[tuple[list[int], tuple[int, int]]]:
     """The segment's members cut into runs of neighbours with one shape and one param group, at most
-    RUN_NUMEL elements each: one batched GEMM each."""
+    RUN_NUMEL elements each (one batched transform each), with the chunks (first, end) they occupy."""
     runs, numel = [], 0
-    for m in seg.members:
+    for m, (a, b) in zip(seg.members, seg.rows):
         size = math.prod(layout.specs[m].shape)
-        prev = runs[-1][-1] if runs else None
+        prev = runs[-1][0][-1] if runs else None
         if (
             prev is not None
             and layout.specs[prev].shape == layout.specs[m].shape
             and entries[prev][0] is entries[m][0]
             and numel + size <= RUN_NUMEL
         ):
-            runs[-1].append(m)
+            runs[-1][0].append(m)
+            runs[-1][1][1] = b
             numel += size
         else:
-            runs.append([m])
+            runs.append(([m], [a, b]))
             numel = size
-    return runs
-
-
-def run_span(seg, run) -> tuple[int, int]:
-    """The chunks (first, end) that the neighbouring members ``run`` of ``seg`` occupy."""
-    return seg.rows[seg.members.index(run[0])][0], seg.rows[seg.members.index(run[-1])][1]
+    return [(members, (a, b)) for members, (a, b) in runs]
 
 
 class MomentumStacks:
