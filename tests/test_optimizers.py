@@ -389,8 +389,7 @@ def test_checkpoint_with_chunk_rows_from_an_older_version_loads_into_the_paramet
     old_format = {"state": {}, "param_groups": saved["param_groups"]}  # as distro-opt saved it before
     for (i, s), p in zip(saved["state"].items(), model.parameters()):
         chunk = DCTTransform.chunk_shape(tuple(p.shape), 64)
-        rows = DCTTransform.chunk_major(s["delta"].reshape(tuple(p.shape) or (1,)), chunk).reshape(-1, math.prod(chunk))
-        old_format["state"][i] = dict(s, delta=rows.clone())
+        old_format["state"][i] = dict(s, delta=DCTTransform.chunk_rows(s["delta"], chunk).clone())
     fresh = DisTrOAdamW(model.parameters(), lr=0.01)
     fresh.load_state_dict(old_format)
     for p in model.parameters():
