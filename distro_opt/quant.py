@@ -18,6 +18,7 @@ that minimises the squared error of a sign code (as in 1-bit SGD / signSGD with 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -32,11 +33,29 @@ def packed_nbytes(count: int, nbits: int) -> int:
     return (count * nbits + 7) // 8
 
 
+def _word(nbits: int) -> tuple[int, int] | None:
+    """(values, bytes) per word: the fewest values of ``nbits`` bits that end on a byte boundary,
+    when they fit in an int64 with room to spare (lcm(nbits, 8) <= 56 bits), else None."""
+    bits = nbits * 8 // math.gcd(nbits, 8)
+    return (bits // nbits, bits // 8) if bits <= 56 else None
+
+
 def pack_bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
-    """Pack non-negative integers < 2**nbits, little-endian bit order, into a uint8 tensor."""
+    """Pack non-negative integers < 2**nbits, little-endian bit order, into a uint8 tensor: bit b
+    of value i is bit (i * nbits + b) % 8 of byte (i * nbits + b) // 8."""
     flat = values.reshape(-1).to(torch.int64)
+    nbytes = packed_nbytes(flat.numel(), nbits)
     if nbits == 0 or flat.numel() == 0:
-        return torch.empty(packed_nbytes(flat.numel(), nbits), dtype=torch.uint8, device=values.device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=values.device)
+    word = _word(nbits)
+    if word is not None:  # whole words: a handful of operations on the values, not one per bit
+        per, width = word
+        pad = (-flat.numel()) % per
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        words = (flat.view(-1, per) << torch.arange(0, per * nbits, nbits, device=flat.device)).sum(1)
+        packed = words.unsqueeze(1) >> torch.arange(0, 8 * width, 8, device=flat.device)
+        return (packed & 0xFF).to(torch.uint8).reshape(-1)[:nbytes]
     shifts = torch.arange(nbits, device=flat.device)
     bits = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)
     pad = (-bits.numel()) % 8
@@ -50,6 +69,16 @@ def unpack_bits(data: torch.Tensor, nbits: int, count: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: ``count`` integers of ``nbits`` bits as int64."""
     if nbits == 0:
         return torch.zeros(count, dtype=torch.int64, device=data.device)
+    word = _word(nbits)
+    if word is not None:
+        per, width = word
+        raw = data.to(torch.int64)
+        pad = -(-count // per) * width - raw.numel()
+        if pad:
+            raw = torch.cat([raw, raw.new_zeros(pad)])
+        words = (raw.view(-1, width) << torch.arange(0, 8 * width, 8, device=data.device)).sum(1)
+        fields = words.unsqueeze(1) >> torch.arange(0, per * nbits, nbits, device=data.device)
+        return (fields & ((1 << nbits) - 1)).reshape(-1)[:count]
     shifts = torch.arange(8, device=data.device)
     bits = ((data.to(torch.int64).unsqueeze(1) >> shifts) & 1).reshape(-1)[: count * nbits]
     weights = torch.ones(nbits, dtype=torch.int64, device=data.device) << torch.arange(nbits, device=data.device)

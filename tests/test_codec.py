@@ -16,6 +16,21 @@ def test_pack_bits_round_trips(nbits):
     assert torch.equal(unpack_bits(packed, nbits, 1001), values)
 
 
+@pytest.mark.parametrize("nbits", [1, 2, 3, 6, 7, 8, 12, 13, 16, 19])  # 13 and 19: no whole word fits an int64
+@pytest.mark.parametrize("count", [1, 5, 64])
+def test_pack_bits_lays_bits_out_little_endian(nbits, count):
+    """Against the format written out bit by bit: bit b of value i is bit (i * nbits + b) % 8 of
+    byte (i * nbits + b) // 8."""
+    values = torch.randint(0, 1 << nbits, (count,))
+    want = [0] * math.ceil(count * nbits / 8)
+    for i, v in enumerate(values.tolist()):
+        for b in range(nbits):
+            pos = i * nbits + b
+            want[pos // 8] |= ((v >> b) & 1) << (pos % 8)
+    assert pack_bits(values, nbits).tolist() == want
+    assert torch.equal(unpack_bits(torch.tensor(want, dtype=torch.uint8), nbits, count), values)
+
+
 @pytest.mark.parametrize("bits, max_rel_err", [(64, 0.0), (32, 1e-7), (16, 4e-3), (8, 4e-3)])
 def test_value_codec_round_trip_error_is_bounded(bits, max_rel_err):
     values = torch.randn(50, 8, dtype=torch.float64)
