@@ -32,6 +32,12 @@ from .transform import DCTTransform
 DELTA_LAYOUT = "tensor"
 
 
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when ``t`` already has it (a call costs ~1 us even then,
+    and a step makes one per parameter several times)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits):
     """torch-style validation (``not 0.0 <= x`` so that NaN is rejected too)."""
     if not 0.0 <= lr:
@@ -104,7 +110,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _sign_step(group, p, direction) -> None:
         """DeMo's update: p -= lr * sign(direction). ``direction`` is this step's own scratch tensor,
         so its sign is taken in place."""
-        p.add_(direction.sign_().to(p.dtype), alpha=-group["lr"])
+        p.add_(_as_dtype(direction.sign_(), p.dtype), alpha=-group["lr"])
 
     def _communicates_this_step(self, entries) -> bool:
         """False for a step that stays local (the local-step mode's inner steps)."""
@@ -184,7 +190,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
-                news[m] = stack[start * n : end * n].view(d.shape).to(d.dtype)  # a view unless the segment mixes dtypes
+                news[m] = _as_dtype(stack[start * n : end * n].view(d.shape), d.dtype)  # a view unless the segment mixes dtypes
         if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
@@ -194,7 +200,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _input(p, x, dtype) -> torch.Tensor:
         if x is None:
             return torch.zeros(p.shape, dtype=dtype, device=p.device)
-        return x.to(dtype)
+        return _as_dtype(x, dtype)
 
     def _decode_all(self, layout, bufs):
         decoded = []

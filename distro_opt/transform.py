@@ -122,30 +122,47 @@ class DCTTransform:
         update costs no pass of its own and the intermediate is read back while it is still in
         cache (the transform alone: 7% faster at 1 thread, 2-3% at 2)."""
         shape = tuple(xs[0].shape) or (1,)
-        n = math.prod(shape)
+        n, total = math.prod(shape), len(xs) * math.prod(shape)
         c, rest = chunk[0], n // shape[0]
         flats = [x.reshape(-1) for x in xs]
+        inner = [axis for axis in range(1, len(chunk)) if chunk[axis] > 1]  # transformed before the first
+        last_only = inner == [len(chunk) - 1]
+        if last_only:  # the last axis alone (a matrix's case): one GEMM per part, on rows of that axis
+            last = chunk[-1]
+            rows = [f.view(-1, last) for f in flats]
+            basis_t = self._basis(last, old, transposed=True)
         # on a GPU a slab per launch would multiply the kernel launches, which bound its step: one slab
-        slab = SLAB_NUMEL if old.device.type == "cpu" else len(xs) * n
+        slab = SLAB_NUMEL if old.device.type == "cpu" else total
         per = max(1, slab // (c * rest)) * c * rest
-        nothing_before_first = all(cc == 1 for cc in chunk[1:])
-        for lo in range(0, len(xs) * n, per):
-            hi = min(len(xs) * n, lo + per)
-            if nothing_before_first and lo // n == (hi - 1) // n:  # within one tensor: no copy
+        for lo in range(0, total, per):
+            hi = min(total, lo + per)
+            if not inner and lo // n == (hi - 1) // n:  # within one tensor, nothing to transform first
                 z = flats[lo // n][lo % n : lo % n + hi - lo]
             else:
                 z = self._workspace("forward", (hi - lo,), old)
-                pos = lo
-                while pos < hi:  # the slab's parts of consecutive tensors
-                    i, start = divmod(pos, n)
-                    end = min(n, start + hi - pos)
-                    part = flats[i][start:end].view(-1, *shape[1:])
-                    piece = z[pos - lo : pos - lo + end - start]
-                    y = self._apply(part, tuple(part.shape), chunk, inverse=False, first_axis=1, out=piece)
-                    if y.data_ptr() != piece.data_ptr():
-                        piece.view(part.shape).copy_(y)
-                    pos += end - start
+                for i, start, end, at in self._slab_parts(lo, hi, n):
+                    piece = z[at : at + end - start]
+                    if not inner:
+                        piece.copy_(flats[i][start:end])
+                    elif last_only:
+                        torch.mm(rows[i][start // last : end // last], basis_t, out=piece.view(-1, last))
+                    else:
+                        part = flats[i][start:end].view(-1, *shape[1:])
+                        y = self._apply(part, tuple(part.shape), chunk, inverse=False, first_axis=1, out=piece)
+                        if y.data_ptr() != piece.data_ptr():
+                            piece.view(part.shape).copy_(y)
             self._first_axis_accumulate(z, c, rest, old[lo:hi], out[lo:hi], decay, scale)
+
+    @staticmethod
+    def _slab_parts(lo: int, hi: int, n: int):
+        """(tensor, start, end, offset in the slab) of each piece of consecutive tensors of ``n``
+        elements that the flat range [lo, hi) covers."""
+        pos = lo
+        while pos < hi:
+            i, start = divmod(pos, n)
+            end = min(n, start + hi - pos)
+            yield i, start, end, pos - lo
+            pos += end - start
 
     def _first_axis_accumulate(self, z, c, rest, old, out, decay, scale):
         """``out = decay * old + scale * (D along the first axis) z``, all flat, whole blocks."""
