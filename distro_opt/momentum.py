@@ -102,7 +102,7 @@ class MomentumStacks:
             return idx, rows.gather(1, idx), lambda sent: rows.scatter_add_(1, idx, -sent)
         if seg.chunk[-1] >= MIN_RUN:  # chunks scattered over rows: top-k over runs along the last axis
             idx, pos = topk_abs_in_runs(stack.view(-1, seg.chunk[-1]), run_rows, k)
-            return idx, stack[pos], lambda sent: stack.index_add_(0, pos.view(-1), sent.view(-1), alpha=-1)
+            return idx, stack.take(pos), lambda sent: stack.index_add_(0, pos.view(-1), sent.view(-1), alpha=-1)
         # short runs: copy to chunk-major rows and back
         shapes = [layout.specs[m].shape for m in seg.members]
         pieces = [(stack[a * n : b * n].view(s), a, b) for s, (a, b) in zip(shapes, seg.rows)]

@@ -158,7 +158,7 @@ class ScaledValues:
         return self._units[key]
 
     def _values(self, codes, scale):
-        return self._unit_values(scale.dtype, scale.device)[codes] * scale
+        return self._unit_values(scale.dtype, scale.device).take(codes) * scale
 
     def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self._scale(values)
