@@ -64,8 +64,8 @@ class MomentumStacks:
     def spare(self, j, seg, deltas) -> torch.Tensor:
         """The buffer that no state tensor views: this step's new momentum goes there."""
         dtype = deltas[0].dtype
-        for d in deltas[1:]:
-            dtype = torch.promote_types(dtype, d.dtype)
+        for other in {d.dtype for d in deltas} - {dtype}:
+            dtype = torch.promote_types(dtype, other)
         shape, device = (seg.num_chunks * seg.chunk_numel,), deltas[0].device
         in_use = {d.untyped_storage().data_ptr() for d in deltas}
         pair = self._pairs.get(j)
