@@ -190,7 +190,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
-                news[m] = _as_dtype(stack[start * n : end * n].view(d.shape), d.dtype)  # a view unless the segment mixes dtypes
+                # a view unless the segment mixes dtypes
+                news[m] = _as_dtype(stack[start * n : end * n].view(d.shape), d.dtype)
         if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None

@@ -124,13 +124,15 @@ class DCTTransform:
         shape = tuple(xs[0].shape) or (1,)
         n, total = math.prod(shape), len(xs) * math.prod(shape)
         c, rest = chunk[0], n // shape[0]
-        flats = [x.reshape(-1) for x in xs]
         inner = [axis for axis in range(1, len(chunk)) if chunk[axis] > 1]  # transformed before the first
         last_only = inner == [len(chunk) - 1]
         if last_only:  # the last axis alone (a matrix's case): one GEMM per part, on rows of that axis
             last = chunk[-1]
-            rows = [f.view(-1, last) for f in flats]
+            rows = [x.reshape(-1, last) for x in xs]
             basis_t = self._basis(last, old, transposed=True)
+        else:
+            flats = [x.reshape(-1) for x in xs]
+        old_blocks, out_blocks = old.view(-1, c, rest), out.view(-1, c, rest)  # first-axis blocks
         # on a GPU a slab per launch would multiply the kernel launches, which bound its step: one slab
         slab = SLAB_NUMEL if old.device.type == "cpu" else total
         per = max(1, slab // (c * rest)) * c * rest
@@ -140,18 +142,22 @@ class DCTTransform:
                 z = flats[lo // n][lo % n : lo % n + hi - lo]
             else:
                 z = self._workspace("forward", (hi - lo,), old)
+                if last_only:
+                    z_rows = z.view(-1, last)
                 for i, start, end, at in self._slab_parts(lo, hi, n):
-                    piece = z[at : at + end - start]
-                    if not inner:
-                        piece.copy_(flats[i][start:end])
-                    elif last_only:
-                        torch.mm(rows[i][start // last : end // last], basis_t, out=piece.view(-1, last))
+                    if last_only:
+                        dest = z_rows[at // last : (at + end - start) // last]
+                        torch.mm(rows[i][start // last : end // last], basis_t, out=dest)
+                    elif not inner:
+                        z[at : at + end - start].copy_(flats[i][start:end])
                     else:
+                        piece = z[at : at + end - start]
                         part = flats[i][start:end].view(-1, *shape[1:])
                         y = self._apply(part, tuple(part.shape), chunk, inverse=False, first_axis=1, out=piece)
                         if y.data_ptr() != piece.data_ptr():
                             piece.view(part.shape).copy_(y)
-            self._first_axis_accumulate(z, c, rest, old[lo:hi], out[lo:hi], decay, scale)
+            blocks = slice(lo // (c * rest), hi // (c * rest))
+            self._first_axis_accumulate(z.view(-1, c, rest), old_blocks[blocks], out_blocks[blocks], decay, scale)
 
     @staticmethod
     def _slab_parts(lo: int, hi: int, n: int):
@@ -164,19 +170,16 @@ class DCTTransform:
             yield i, start, end, pos - lo
             pos += end - start
 
-    def _first_axis_accumulate(self, z, c, rest, old, out, decay, scale):
-        """``out = decay * old + scale * (D along the first axis) z``, all flat, whole blocks."""
+    def _first_axis_accumulate(self, z, old, out, decay, scale):
+        """``out = decay * old + scale * (D along the first axis) z``, all (blocks, c, rest)."""
+        b, c, rest = out.shape
         if c == 1:
             torch.mul(old, decay, out=out).add_(z, alpha=scale)
         elif rest == 1:
             basis_t = self._basis(c, old, transposed=True)
-            torch.addmm(old.view(-1, c), z.view(-1, c), basis_t, beta=decay, alpha=scale, out=out.view(-1, c))
+            torch.addmm(old.view(b, c), z.view(b, c), basis_t, beta=decay, alpha=scale, out=out.view(b, c))
         else:
-            b = out.numel() // (c * rest)
-            torch.baddbmm(
-                old.view(b, c, rest), self._batched_basis(c, b, rest, old), z.view(b, c, rest), beta=decay, alpha=scale,
-                out=out.view(b, c, rest),
-            )
+            torch.baddbmm(old, self._batched_basis(c, b, rest, old), z, beta=decay, alpha=scale, out=out)
 
     @staticmethod
     def blocked_shape(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[int, ...]:
