@@ -71,6 +71,27 @@ def test_sparse_decode_equals_dense_decode_with_repeated_indices(shape, m):
     torch.testing.assert_close(t.decode_sparse(idx, values, shape, chunk), t.decode(dense, shape, chunk))
 
 
+@pytest.mark.parametrize("slab_chunks", [1, 10, 1000])
+def test_decode_many_yields_each_piece_across_slabs(monkeypatch, slab_chunks):
+    """Pieces decoded in slabs (several small pieces in one, a long piece alone) equal each piece's
+    dense inverse, when each view is used before the next is asked for."""
+    monkeypatch.setattr(transform_module, "SLAB_NUMEL", slab_chunks * 16 * 16)
+    t = DCTTransform()
+    shapes = [(32, 48), (16, 48), (16, 48), (64, 48), (16, 48), (128, 48)]
+    chunk = (16, 16)
+    counts = [a * b // 256 for a, b in shapes]
+    bounds = np.cumsum([0] + counts)
+    idx = torch.randint(0, 256, (bounds[-1], 4))
+    values = torch.randn(bounds[-1], 4)
+    pieces = [(int(a), int(b), shape) for a, b, shape in zip(bounds[:-1], bounds[1:], shapes)]
+    got = [view.clone() for view in t.decode_many(idx, values, chunk, pieces)]
+    dense = torch.zeros(bounds[-1], 256).scatter_add_(1, idx, values)
+    assert len(got) == len(shapes)
+    for view, (a, b, shape) in zip(got, pieces):
+        assert view.shape == t.blocked_shape(shape, chunk)
+        torch.testing.assert_close(view.reshape(shape), t.decode(dense[a:b], shape, chunk), rtol=1e-5, atol=1e-6)
+
+
 def _scipy_own_layout(x: np.ndarray, chunk) -> np.ndarray:
     """Independent reference: dctn of every chunk, written back in place (the tensor's own layout)."""
     out = np.empty_like(x)
