@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from .decoupled import DecoupledMomentumOptimizer, check_hyperparameters
+from .kept import kept_tensors
 
 UPDATES = ("sign", "adam", "rms")
 
@@ -103,15 +104,17 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     def _communicates_this_step(self, entries) -> bool:
         if self._inner is None:
             return True
-        for _, p in entries:
-            if "anchor" not in self.state[p]:
-                self.state[p]["anchor"] = p.detach().to(self._work_dtype(p), copy=True)
-        grads = [p.grad for _, p in entries if p.grad is not None]
-        if not grads or torch.stack(torch._foreach_norm(grads)).isfinite().all():  # one fused pass
-            for inner, outer in zip(self._inner.param_groups, self.param_groups):
-                inner["lr"] = outer["lr"]  # LR schedulers act on this optimizer's groups
-            self._inner.step()
-        else:
+        with kept_tensors():  # the anchors and the inner optimizer's state outlive the step
+            for _, p in entries:
+                if "anchor" not in self.state[p]:
+                    self.state[p]["anchor"] = p.detach().to(self._work_dtype(p), copy=True)
+            grads = [p.grad for _, p in entries if p.grad is not None]
+            finite = not grads or torch.stack(torch._foreach_norm(grads)).isfinite().all()  # one fused pass
+            if finite:
+                for inner, outer in zip(self._inner.param_groups, self.param_groups):
+                    inner["lr"] = outer["lr"]  # LR schedulers act on this optimizer's groups
+                self._inner.step()
+        if not finite:
             warnings.warn("distro-opt: non-finite local gradient; this inner step is skipped")
         local = self.state["local_step"] = self.state.get("local_step", 0) + 1
         return local % self.sync_every == 0
@@ -154,7 +157,9 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         mu = group["outer_momentum"]
         if mu > 0:
             if "outer_momentum_buffer" not in state:
-                state["outer_momentum_buffer"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
+                with kept_tensors():
+                    buffer = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
+                state["outer_momentum_buffer"] = buffer
             m = self._view(state["outer_momentum_buffer"], direction)
             m.mul_(mu).add_(direction)
             direction = direction + mu * m
@@ -196,8 +201,9 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         if group["update"] == "rms":
             return self._rms_step(group, target, direction)
         if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
+            with kept_tensors():
+                state["exp_avg"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
+                state["exp_avg_sq"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
         beta1, beta2 = group["betas"]
         t = float(state["step"])
         m, v = self._view(state["exp_avg"], direction), self._view(state["exp_avg_sq"], direction)

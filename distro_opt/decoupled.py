@@ -24,6 +24,7 @@ import torch
 from distro_opt.comm import resolve_backend
 
 from .codec import PayloadLayout, aggregate, param_spec
+from .kept import kept_tensors
 from .quant import PayloadError, value_codec
 from .momentum import MomentumStacks, transform_runs
 from .transform import DCTTransform
@@ -147,8 +148,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _state(self, p, spec):
         state = self.state[p]
         if "delta" not in state:
-            state["step"] = torch.tensor(0.0)
-            state["delta"] = torch.zeros(p.shape, dtype=self._work_dtype(p), device=p.device)
+            with kept_tensors():
+                state["step"] = torch.tensor(0.0)
+                state["delta"] = torch.zeros(p.shape, dtype=self._work_dtype(p), device=p.device)
         return state
 
     def _inputs(self, entries) -> list[torch.Tensor | None]:
@@ -190,8 +192,10 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
-                # a view unless the segment mixes dtypes
-                news[m] = _as_dtype(stack[start * n : end * n].view(d.shape), d.dtype)
+                news[m] = stack[start * n : end * n].view(d.shape)  # a view of a kept buffer
+                if d.dtype != stack.dtype:  # a segment that mixes dtypes: a copy, kept as state
+                    with kept_tensors():
+                        news[m] = news[m].to(d.dtype)
         if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
@@ -261,11 +265,16 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with torch.inference_mode():  # no autograd bookkeeping per operation (see kept.py)
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         t0 = time.perf_counter()
         entries = self._entries()
         if not self._communicates_this_step(entries):
             self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
-            return loss
+            return
         layout = self._layout(entries)
         if self._scaler_found_inf():
             parts, deltas = None, None
@@ -287,14 +296,14 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             pending = (self.comm.start_all_gather(buf), entries, layout)
             comm_s, apply_s = self._finish(pending, before_apply=commit)
         self.last_step_timing = {"codec_s": codec_s + apply_s, "comm_s": comm_s}
-        return loss
 
     @torch.no_grad()
     def flush(self) -> None:
         """Overlap mode: wait for the last collective and apply its update (a no-op otherwise)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._finish(pending)
+            with torch.inference_mode():
+                self._finish(pending)
 
     def state_dict(self):
         """As torch's, after ``flush()`` so that no started update is lost from the checkpoint.

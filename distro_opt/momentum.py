@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .kept import kept_tensors
 from .select import topk_abs_in_runs, topk_abs_indices
 from .transform import DCTTransform
 
@@ -74,7 +75,8 @@ class MomentumStacks:
             or (pair[0].shape, pair[0].dtype, pair[0].device) != (shape, dtype, device)
             or all(buf.untyped_storage().data_ptr() in in_use for buf in pair)
         ):  # fresh buffers: no state tensor can be a view of them
-            pair = self._pairs[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
+            with kept_tensors():
+                pair = self._pairs[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
         return next(buf for buf in pair if buf.untyped_storage().data_ptr() not in in_use)
 
     def committed(self, j, seg, deltas, spare) -> torch.Tensor:
@@ -123,15 +125,18 @@ class MomentumStacks:
         member's own layout already lists its chunks as rows, empty for the copy path."""
         key = (id(layout), j, device)
         if key not in self._run_tables:
-            if all(self._transform.own_layout_is_chunk_major(layout.specs[m].shape, seg.chunk) for m in seg.members):
-                table = None
-            elif seg.chunk[-1] < MIN_RUN:
-                table = torch.empty(0)
-            else:
-                tables, offset = [], 0
-                for m, (a, b) in zip(seg.members, seg.rows):
-                    tables.append(self._transform.run_rows(layout.specs[m].shape, seg.chunk) + offset)
-                    offset += (b - a) * seg.chunk_numel // seg.chunk[-1]
-                table = torch.cat(tables).to(device)
-            self._run_tables[key] = table
+            with kept_tensors():
+                self._run_tables[key] = self._new_run_rows(layout, seg, device)
         return self._run_tables[key]
+
+    def _new_run_rows(self, layout, seg, device) -> torch.Tensor | None:
+        shapes = [layout.specs[m].shape for m in seg.members]
+        if all(self._transform.own_layout_is_chunk_major(shape, seg.chunk) for shape in shapes):
+            return None
+        if seg.chunk[-1] < MIN_RUN:
+            return torch.empty(0)
+        tables, offset = [], 0
+        for m, (a, b) in zip(seg.members, seg.rows):
+            tables.append(self._transform.run_rows(layout.specs[m].shape, seg.chunk) + offset)
+            offset += (b - a) * seg.chunk_numel // seg.chunk[-1]
+        return torch.cat(tables).to(device)

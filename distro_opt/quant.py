@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from .kept import kept_tensors
+
 SCALE_NBYTES = 2  # per-chunk scales travel as bfloat16: fp32 range, 8 significant bits
 
 
@@ -147,14 +149,15 @@ class ScaledValues:
         for 1/127, so a GPU worker computing them itself would decode other values than a CPU one."""
         key = (dtype, device)
         if key not in self._units:
-            c = torch.arange(1 << self.nbits, dtype=dtype)
-            if self.nbits == 1:
-                unit = 2 * c - 1
-            elif self.nbits == 2:
-                unit = c / 1.5 - 1
-            else:
-                unit = (c - 127) / 127  # code 255 is refused before decoding; its entry is never used
-            self._units[key] = unit.to(device)
+            with kept_tensors():
+                c = torch.arange(1 << self.nbits, dtype=dtype)
+                if self.nbits == 1:
+                    unit = 2 * c - 1
+                elif self.nbits == 2:
+                    unit = c / 1.5 - 1
+                else:
+                    unit = (c - 127) / 127  # code 255 is refused before decoding; its entry is never used
+                self._units[key] = unit.to(device)
         return self._units[key]
 
     def _values(self, codes, scale):

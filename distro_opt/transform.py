@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .kept import kept_tensors
+
 # ``accumulate`` works in slabs of about this many elements (1 MB of float32), so the intermediate
 # between the axes is read back from cache.
 SLAB_NUMEL = 1 << 18
@@ -64,7 +66,8 @@ class DCTTransform:
         n = math.prod(shape)
         buf = self._scratch.get((purpose, like.dtype))
         if buf is None or buf.numel() < n:
-            buf = self._scratch[(purpose, like.dtype)] = torch.empty(n, dtype=like.dtype)
+            with kept_tensors():
+                buf = self._scratch[(purpose, like.dtype)] = torch.empty(n, dtype=like.dtype)
         return buf[:n].view(shape)
 
     def _basis(self, n: int, like: torch.Tensor, transposed: bool = False) -> torch.Tensor:
@@ -72,10 +75,11 @@ class DCTTransform:
         here than with a transposed view)."""
         key = (n, like.dtype, like.device, transposed)
         if key not in self._bases:
-            if transposed:
-                self._bases[key] = self._basis(n, like).T.contiguous()
-            else:
-                self._bases[key] = dct_matrix(n, like.dtype, like.device)
+            with kept_tensors():
+                if transposed:
+                    self._bases[key] = self._basis(n, like).T.contiguous()
+                else:
+                    self._bases[key] = dct_matrix(n, like.dtype, like.device)
         return self._bases[key]
 
     def _batched_basis(self, c: int, b: int, rest: int, like: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -88,7 +92,8 @@ class DCTTransform:
             return basis.expand(b, c, c)
         key = (c, b, inverse, like.dtype, like.device)
         if key not in self._bases:
-            self._bases[key] = basis.expand(b, c, c).contiguous()
+            with kept_tensors():
+                self._bases[key] = basis.expand(b, c, c).contiguous()
         return self._bases[key]
 
     def _axis(self, y: torch.Tensor, shape: tuple[int, ...], axis: int, c: int, inverse: bool, out=None):
