@@ -109,7 +109,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
                 if "anchor" not in self.state[p]:
                     self.state[p]["anchor"] = p.detach().to(self._work_dtype(p), copy=True)
             grads = [p.grad for _, p in entries if p.grad is not None]
-            finite = not grads or torch.stack(torch._foreach_norm(grads)).isfinite().all()  # one fused pass
+            finite = not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())  # one pass
             if finite:
                 for inner, outer in zip(self._inner.param_groups, self.param_groups):
                     inner["lr"] = outer["lr"]  # LR schedulers act on this optimizer's groups

@@ -1,7 +1,7 @@
 """Tensors that outlive an optimizer step.
 
 ``step()`` and ``flush()`` run under ``torch.inference_mode()``: the step's ~1,000 small tensor
-operations then skip autograd's bookkeeping (3-4% of a CPU step here, see the README). Tensors made
+operations then skip autograd's bookkeeping (2-5% of a CPU step here, see the README). Tensors made
 under it are inference tensors, which cannot be updated in place outside inference mode. So what
 the optimizer keeps between steps (its state, reused buffers, cached tables) is made inside
 ``kept_tensors()`` and stays an ordinary tensor, which users may inspect, modify and save as with

@@ -274,7 +274,7 @@ class DCTTransform:
         its m first-axis basis rows and m last-axis basis rows (a batched GEMM with inner size m),
         cheaper than the dense inverse; otherwise the dense inverse. On the CPU that GEMM runs on
         consecutive pieces of about ``SLAB_NUMEL`` elements at a time, into one workspace, so the
-        update reads each piece back from cache (the whole step ~6% faster here than one GEMM over
+        update reads each piece back from cache (the whole step 3-6% faster here than one GEMM over
         the stack: torch's kernel for inner size m is slow to write a large output)."""
         if len(chunk) > 2 or idx.shape[1] >= sum(chunk):
             dense = torch.zeros(idx.shape[0], math.prod(chunk), dtype=values.dtype, device=values.device)
