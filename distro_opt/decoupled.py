@@ -191,11 +191,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             vbytes, sent = value_codec(seg.bits).encode(kept)
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
-            for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
-                news[m] = stack[start * n : end * n].view(d.shape)  # a view of a kept buffer
-                if d.dtype != stack.dtype:  # a segment that mixes dtypes: a copy, kept as state
-                    with kept_tensors():
-                        news[m] = news[m].to(d.dtype)
+            with kept_tensors():  # the new state: views of the kept buffer, copies where dtypes mix
+                for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
+                    news[m] = _as_dtype(stack[start * n : end * n].view(d.shape), d.dtype)
         if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
             warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
             return None, None
