@@ -32,13 +32,44 @@ def _scipy_chunked(x: np.ndarray, chunk):
     return np.stack(out)
 
 
+class _GemmSpy:
+    """Stands in for the oneDNN GEMM (or its absence) and counts the calls it gets."""
+
+    def __init__(self, gemm):
+        self.gemm, self.calls = gemm, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.gemm(*args)
+
+
+# float64 runs torch.mm; float32 runs oneDNN's GEMM for the forward transform where torch has it,
+# and torch.mm when it does not (the "torch" case takes oneDNN away)
+GEMMS = [(torch.float64, "torch", 1e-10), (torch.float32, "torch", 2e-5), (torch.float32, "onednn", 2e-5)]
+
+
+@pytest.fixture
+def forward_gemm(request, monkeypatch):
+    """Sets which GEMM the forward transform may use; returns the spy on oneDNN's (None: not allowed)."""
+    if request.param == "torch":
+        monkeypatch.setattr(transform_module, "_ONEDNN_LINEAR", None)
+        return None
+    real = transform_module._ONEDNN_LINEAR
+    if real is None:
+        pytest.skip("this torch build has no oneDNN")
+    spy = _GemmSpy(real)
+    monkeypatch.setattr(transform_module, "_ONEDNN_LINEAR", spy)
+    return spy
+
+
 @pytest.mark.parametrize("shape", [(128,), (96, 130), (64, 64), (8, 12, 6, 6), (20, 3, 3), (67, 128)])
-def test_encode_matches_scipy_dctn_on_every_chunk(shape):
+@pytest.mark.parametrize("dtype, forward_gemm, atol", GEMMS, indirect=["forward_gemm"])
+def test_encode_matches_scipy_dctn_on_every_chunk(shape, dtype, forward_gemm, atol):
     x = np.random.default_rng(1).standard_normal(shape)
     t = DCTTransform()
     chunk = t.chunk_shape(shape, 8 if len(shape) == 4 else 64)
-    ours = t.encode(torch.from_numpy(x), chunk)
-    np.testing.assert_allclose(ours.numpy(), _scipy_chunked(x, chunk), atol=1e-10)
+    ours = t.encode(torch.from_numpy(x).to(dtype), chunk)
+    np.testing.assert_allclose(ours.numpy(), _scipy_chunked(x, chunk), atol=atol)
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (300, 7), (16, 3, 5, 5), (2, 3, 4, 5, 6)])
@@ -107,22 +138,52 @@ def _scipy_own_layout(x: np.ndarray, chunk) -> np.ndarray:
 @pytest.mark.parametrize("members", [1, 3])
 # slabs: the default (one slab here), one first-axis block each, and slabs that cut across tensors
 @pytest.mark.parametrize("slab_numel", [transform_module.SLAB_NUMEL, 1, 5000])
+@pytest.mark.parametrize("dtype, forward_gemm, atol", GEMMS, indirect=["forward_gemm"])
 def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(shape, target, members, slab_numel,
-                                                                              monkeypatch):
+                                                                              dtype, forward_gemm, atol, monkeypatch):
     monkeypatch.setattr(transform_module, "SLAB_NUMEL", slab_numel)
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal(shape) for _ in range(members)]
     old = rng.standard_normal(members * int(np.prod(shape)))
-    out = torch.empty(old.size, dtype=torch.float64)
+    out = torch.empty(old.size, dtype=dtype)
     t = DCTTransform()
     chunk = t.chunk_shape(shape, target)
-    t.accumulate([torch.from_numpy(x) for x in xs], chunk, torch.from_numpy(old), out, decay=0.9, scale=0.5)
+    t.accumulate([torch.from_numpy(x).to(dtype) for x in xs], chunk, torch.from_numpy(old).to(dtype), out, decay=0.9,
+                 scale=0.5)
     want = 0.9 * old + 0.5 * np.concatenate([_scipy_own_layout(x, chunk).reshape(-1) for x in xs])
-    np.testing.assert_allclose(out.numpy(), want, atol=1e-10)
+    np.testing.assert_allclose(out.numpy(), want, atol=atol)
     # forward / inverse use the same layout
-    x = torch.from_numpy(xs[0])
-    np.testing.assert_allclose(t.forward(x, chunk).numpy(), _scipy_own_layout(xs[0], chunk), atol=1e-10)
-    torch.testing.assert_close(t.inverse(t.forward(x, chunk), chunk), x, atol=1e-12, rtol=0)
+    x = torch.from_numpy(xs[0]).to(dtype)
+    np.testing.assert_allclose(t.forward(x, chunk).numpy(), _scipy_own_layout(xs[0], chunk), atol=atol)
+    torch.testing.assert_close(t.inverse(t.forward(x, chunk), chunk), x, atol=atol / 10, rtol=0)
+    if forward_gemm is not None:  # every shape here has a transformed last axis
+        assert forward_gemm.calls > 0
+
+
+@pytest.mark.parametrize("forward_gemm", ["onednn"], indirect=True)
+def test_only_the_forward_transform_uses_onednn(forward_gemm):
+    """The inverse, which every worker runs on the same gathered payloads, stays on torch.mm: workers
+    whose forward transforms ran different GEMMs still apply bit-identical updates."""
+    t = DCTTransform()
+    y = torch.randn(128, 192)
+    chunk = t.chunk_shape(y.shape, 64)
+    idx = torch.randint(0, 64 * 64, (6, 4))
+    values = torch.randn(6, 4)
+    dense = torch.zeros(6, 64 * 64).scatter_add_(1, idx, values)
+    t.inverse(y, chunk)
+    t.decode(dense, y.shape, chunk)
+    t.decode_sparse(idx, values, y.shape, chunk)
+    assert forward_gemm.calls == 0
+    t.forward(y, chunk)
+    assert forward_gemm.calls == 1
+
+
+def test_forward_stays_differentiable_under_autograd():
+    """oneDNN's op has no derivative: a tensor that needs grad goes through torch.mm instead."""
+    t = DCTTransform()
+    x = torch.randn(64, 128, requires_grad=True)
+    t.forward(x, (64, 64)).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach(), rtol=1e-5, atol=1e-5)  # orthonormal: d|Dx|^2/dx = 2x
 
 
 @pytest.mark.parametrize(
