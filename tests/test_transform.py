@@ -133,7 +133,8 @@ def _scipy_own_layout(x: np.ndarray, chunk) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "shape, target", [((128, 192), 64), ((96, 130), 64), ((130,), 64), ((67, 128), 64), ((8, 12, 6, 6), 4), ((20, 3, 3), 64)]
+    "shape, target",
+    [((128, 192), 64), ((96, 130), 64), ((130,), 64), ((67, 128), 64), ((8, 12, 6, 6), 4), ((20, 3, 3), 64), ((8, 7, 6), 4)],
 )
 @pytest.mark.parametrize("members", [1, 3])
 # slabs: the default (one slab here), one first-axis block each, and slabs that cut across tensors
