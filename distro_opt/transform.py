@@ -23,7 +23,9 @@ SLAB_NUMEL = 1 << 18
 
 # oneDNN's float32 GEMM, as torch exposes it for CPU inference (x @ W^T into a new tensor), or None
 # where this torch build has no oneDNN. See ``DCTTransform._forward_rows``.
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_ONEDNN_LINEAR = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+)
 
 
 def _onednn_computes(x: torch.Tensor) -> bool:
@@ -123,7 +125,7 @@ class DCTTransform:
         y = y.reshape(-1, c, rest)
         return torch.bmm(self._batched_basis(c, y.shape[0], rest, y, inverse), y)
 
-    def _forward_rows(self, rows: torch.Tensor, c: int, out: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    def _forward_rows(self, rows: torch.Tensor, c: int, out: torch.Tensor | None, onednn: bool):
         """``rows @ D^T``, the DCT of every row of length ``c``: into ``out``, or into a new tensor
         when ``onednn`` (``_onednn_computes``) and oneDNN's GEMM computes it; returns where it is.
 
@@ -163,8 +165,8 @@ class DCTTransform:
         inner = [axis for axis in range(1, len(chunk)) if chunk[axis] > 1]  # transformed before the first
         last_only = inner == [len(chunk) - 1]
         onednn = _onednn_computes(old)
-        if last_only and onednn and c > 1:
-            self._accumulate_onednn(xs, c, chunk[-1], rest, old, out, decay, scale)
+        if onednn and self._first_and_last_only(chunk):
+            self._accumulate_onednn(xs, chunk, old, out, decay, scale)
             return
         if last_only:  # the last axis alone (a matrix's case): one GEMM per part, on rows of that axis
             last = chunk[-1]
@@ -181,8 +183,8 @@ class DCTTransform:
             if within and not inner:  # nothing to transform first
                 z = flats[lo // n][lo % n : lo % n + hi - lo]
             elif within and last_only and onednn:  # oneDNN's output is the slab, no copy
-                start = lo % n
-                z = self._forward_rows(rows[lo // n][start // last : (start + hi - lo) // last], last, None, onednn)
+                start, stop = lo % n // last, (lo % n + hi - lo) // last
+                z = self._forward_rows(rows[lo // n][start:stop], last, None, onednn)
             else:
                 z = self._workspace("forward", (hi - lo,), old)
                 if last_only:
@@ -204,31 +206,43 @@ class DCTTransform:
             blocks = slice(lo // (c * rest), hi // (c * rest))
             self._first_axis_accumulate(z.view(-1, c, rest), old_blocks[blocks], out_blocks[blocks], decay, scale)
 
-    def _accumulate_onednn(self, xs, c, last, rest, old, out, decay, scale):
+    @staticmethod
+    def _first_and_last_only(chunk: tuple[int, ...]) -> bool:
+        """Whether chunks span the first and the last axis and no other (a matrix's case)."""
+        return len(chunk) > 1 and chunk[0] > 1 and chunk[-1] > 1 and all(c == 1 for c in chunk[1:-1])
+
+    def _accumulate_onednn(self, xs, chunk, old, out, decay, scale):
         """``accumulate`` for tensors whose chunks span the first and the last axis only (matrices),
         with both GEMMs by oneDNN, which has no batched product with a shared left factor: each slab
         of first-axis blocks is copied first-axis-major, (c, blocks, rest), so the last-axis product
         keeps that order and the first-axis product is one plain GEMM, D @ (c, blocks * rest), whose
-        right factor oneDNN reads through a transposed view. The sum with ``decay * old`` reads the
-        result back through a view in the tensors' own layout. Against the last-axis GEMM by oneDNN
-        and ``baddbmm`` (MKL): the step 14% faster at 1 thread, 1-12% at 2 (A/B runs, this AMD CPU).
-        oneDNN's op has no ``out=``: each slab allocates two slab-sized tensors (no page faults here)."""
+        right factor oneDNN reads through a transposed view. The sum with ``decay * old`` (a copy when
+        ``old`` is None) reads the result back through a view in the tensors' own layout. Against
+        the last-axis GEMM by oneDNN and ``baddbmm`` (MKL): the step 14% faster at 1 thread, 1-12% at
+        2 (A/B runs, this AMD CPU). oneDNN's op has no ``out=``: each slab allocates two slab-sized
+        tensors (no page faults here)."""
+        c, last = chunk[0], chunk[-1]
+        rest = xs[0].numel() // xs[0].shape[0]
         blocks = [x.reshape(-1, c, rest) for x in xs]
         per_tensor = blocks[0].shape[0]
-        old_blocks, out_blocks = old.view(-1, c, rest), out.view(-1, c, rest)
-        first = self._basis(c, old)
+        out_blocks = out.view(-1, c, rest)
+        first = self._basis(c, out)
         first = first * scale if scale != 1 else first
-        basis = self._basis(last, old)
+        basis = self._basis(last, out)
         per = max(1, SLAB_NUMEL // (c * rest))
         for lo in range(0, len(xs) * per_tensor, per):
             hi = min(len(xs) * per_tensor, lo + per)
-            slab = self._workspace("forward", (c, hi - lo, rest), old)
+            slab = self._workspace("forward", (c, hi - lo, rest), out)
             for i, start, end, at in self._slab_parts(lo, hi, per_tensor):
                 slab[:, at : at + end - start].copy_(blocks[i][start:end].transpose(0, 1))
             z = _ONEDNN_LINEAR(slab.view(-1, last), basis, None, "none", [], "")
             y = _ONEDNN_LINEAR(first, z.view(c, -1).T, None, "none", [], "")
             del z
-            torch.add(y.view(c, hi - lo, rest).transpose(0, 1), old_blocks[lo:hi], alpha=decay, out=out_blocks[lo:hi])
+            y = y.view(c, hi - lo, rest).transpose(0, 1)
+            if old is None:
+                out_blocks[lo:hi].copy_(y)
+            else:
+                torch.add(y, old.view(-1, c, rest)[lo:hi], alpha=decay, out=out_blocks[lo:hi])
 
     @staticmethod
     def _slab_parts(lo: int, hi: int, n: int):
@@ -261,6 +275,10 @@ class DCTTransform:
         """DCT of every chunk of ``x``, left in ``x``'s own layout (element [i, j] of a 2-D tensor is
         coefficient (i mod c_1, j mod c_2) of chunk (i // c_1, j // c_2)). May return ``x`` itself when
         no dimension is transformed."""
+        if self._first_and_last_only(chunk) and _onednn_computes(x):
+            out = torch.empty(x.shape, dtype=x.dtype)
+            self._accumulate_onednn([x], chunk, None, out.view(-1), decay=0.0, scale=1.0)
+            return out
         return self._apply(x, tuple(x.shape) or (1,), chunk, inverse=False)
 
     def inverse(self, y: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
