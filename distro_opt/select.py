@@ -34,6 +34,25 @@ def group_peaks(groups: torch.Tensor) -> torch.Tensor:
     return torch.maximum(groups.amax(-1), groups.amin(-1).neg_())
 
 
+def largest_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (rows, k), unsorted, of the k largest entries of every row of the 2-D ``x``, whose
+    entries are >= 0 or NaN (NaN first, like ``torch.topk``); ``x`` is overwritten.
+
+    For short rows on the CPU, k rounds of ``argmax`` and masking: torch's top-k costs ~8 ns per
+    element for rows of 128 or fewer here (~2 ns for 256 or more), and on the model's (1282, 64)
+    run peaks took 661 against 453 us at 1 thread (307 against 252 at 2). Ties may pick other
+    entries than ``torch.topk`` would; either is a valid top-k."""
+    rows, n = x.shape
+    if x.device.type != "cpu" or n > 128 or k > 8:
+        return x.topk(k, dim=1, sorted=False).indices
+    out = torch.empty(rows, k, dtype=torch.long)
+    for j in range(k):
+        best = x.argmax(1, keepdim=True)
+        out[:, j : j + 1] = best
+        x.scatter_(1, best, -1.0)
+    return out
+
+
 def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (rows, k), unsorted, of the k largest |x| in every row of the 2-D ``x``."""
     rows, numel = x.shape
@@ -59,7 +78,7 @@ def topk_abs_in_runs(rows: torch.Tensor, run_rows: torch.Tensor, k: int) -> tupl
     c = rows.shape[1]
     if k < runs:
         peaks = group_peaks(rows).index_select(0, run_rows.view(-1)).view(chunks, runs)  # ~3x faster than [run_rows]
-        best = peaks.topk(k, dim=1, sorted=False).indices  # (chunks, k) run numbers
+        best = largest_indices(peaks, k)  # (chunks, k) run numbers
     else:  # every run is a candidate
         best = torch.arange(runs, device=rows.device).expand(chunks, runs)
     picked_rows = run_rows.gather(1, best)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from distro_opt.select import topk_abs_in_runs, topk_abs_indices, uses_groups
+from distro_opt.select import largest_indices, topk_abs_in_runs, topk_abs_indices, uses_groups
 from distro_opt.transform import DCTTransform
 
 
@@ -38,3 +38,22 @@ def test_top_k_over_runs_of_scattered_chunks_is_torch_topk_of_each_chunk(shape, 
     reference = rows.abs().topk(k, dim=1).indices
     assert torch.equal(idx.sort(dim=1).values, reference.sort(dim=1).values)
     assert torch.equal(x.reshape(-1)[pos], rows.gather(1, idx))  # positions point at the same values
+
+
+@pytest.mark.parametrize("n, k", [(64, 4), (128, 8), (16, 1), (256, 4), (64, 9)])  # the last two: torch.topk
+def test_largest_indices_is_a_top_k(n, k):
+    """The k largest of each row, NaN first; with ties, any entries whose values are a top-k's."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.rand(50, n, generator=g)
+    x[3] = 0.5  # a row of ties
+    x[15] = 0.0  # and of zeros (a run of zero coefficients has peak 0)
+    x[7, :4] = x[7, 4]  # ties at the top
+    x[9, 5] = float("nan")
+    x[11, [2, 30 % n]] = float("inf")
+    x[13, [1, 2]] = torch.tensor([float("inf"), float("nan")])  # NaN ranks above inf
+    got = largest_indices(x.clone(), k)
+    assert got.shape == (50, k)
+    assert all(len(set(row.tolist())) == k for row in got)  # k distinct entries per row
+    values = x.gather(1, got).nan_to_num(nan=4.0, posinf=3.0).sort(dim=1).values  # NaN ranks first
+    reference = x.nan_to_num(nan=4.0, posinf=3.0).topk(k, dim=1).values.sort(dim=1).values
+    assert torch.equal(values, reference)
