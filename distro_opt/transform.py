@@ -12,6 +12,7 @@ is one ``torch.topk(..., dim=1)``.
 from __future__ import annotations
 
 import math
+import platform
 
 import torch
 
@@ -22,9 +23,12 @@ from .kept import kept_tensors
 SLAB_NUMEL = 1 << 18
 
 # oneDNN's float32 GEMM, as torch exposes it for CPU inference (x @ W^T into a new tensor), or None
-# where this torch build has no oneDNN. See ``DCTTransform._forward_rows``.
+# where this torch build has no oneDNN, and off x86-64, where it was never measured against torch.mm.
+# See ``DCTTransform._forward_rows``.
 _ONEDNN_LINEAR = (
-    getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")
+    else None
 )
 
 
@@ -218,7 +222,7 @@ class DCTTransform:
         keeps that order and the first-axis product is one plain GEMM, D @ (c, blocks * rest), whose
         right factor oneDNN reads through a transposed view. The sum with ``decay * old`` (a copy when
         ``old`` is None) reads the result back through a view in the tensors' own layout. Against
-        the last-axis GEMM by oneDNN and ``baddbmm`` (MKL): the step 14% faster at 1 thread, 1-12% at
+        the last-axis GEMM by oneDNN and ``baddbmm`` (MKL): the step 14-16% faster at 1 thread, 1-12% at
         2 (A/B runs, this AMD CPU). oneDNN's op has no ``out=``: each slab allocates two slab-sized
         tensors (no page faults here)."""
         c, last = chunk[0], chunk[-1]
