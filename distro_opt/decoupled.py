@@ -178,15 +178,18 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             deltas = [self._state(entries[m][1], layout.specs[m])["delta"] for m in seg.members]
             stack = self._stacks.spare(j, seg, deltas)
             old = self._stacks.committed(j, seg, deltas, stack)
-            n = seg.chunk_numel
+            n, last = seg.chunk_numel, seg.chunk[-1]
+            peaks = self._stacks.peaks(j, seg, stack)
+            filled = peaks is not None  # every run's peaks taken during the transform
             for run, (a, b) in transform_runs(entries, layout, seg):  # new = decay * Delta + scale * DCT(g)
                 group = entries[run[0]][0]
                 xs = [self._input(entries[m][1], inputs[m], stack.dtype) for m in run]
-                self._transform.accumulate(
+                filled &= self._transform.accumulate(
                     xs, seg.chunk, old[a * n : b * n], stack[a * n : b * n],
                     decay=group["compression_decay"], scale=self._momentum_scale(group) * unscale,
+                    peaks=None if peaks is None else peaks[a * n // last : b * n // last],
                 )
-            idx, kept, feedback = self._stacks.select(layout, j, seg, stack)
+            idx, kept, feedback = self._stacks.select(layout, j, seg, stack, peaks if filled else None)
             finite.append(torch.isfinite(kept).all())
             vbytes, sent = value_codec(seg.bits).encode(kept)
             feedback(sent)  # error feedback: keep what was not sent

@@ -57,6 +57,7 @@ class MomentumStacks:
         self._transform = transform
         self._pairs: dict[int, list[torch.Tensor]] = {}
         self._run_tables: dict[tuple, torch.Tensor | None] = {}
+        self._peaks: dict[int, torch.Tensor] = {}
 
     def reset(self) -> None:
         """Forget the buffers (after loading a state: its tensors may be views of them)."""
@@ -91,8 +92,21 @@ class MomentumStacks:
             return other
         return torch.cat([d.reshape(-1).to(spare.dtype) for d in deltas])
 
-    def select(self, layout, j, seg, stack):
-        """Top-k per chunk of the segment's new momentum ``stack``.
+    def peaks(self, j, seg, stack) -> torch.Tensor | None:
+        """A reused buffer for the largest magnitude of each run of ``seg.chunk[-1]`` coefficients of
+        segment ``j``'s ``stack`` (see ``DCTTransform.accumulate``), on the CPU; None elsewhere."""
+        if stack.device.type != "cpu":
+            return None
+        numel = stack.numel() // seg.chunk[-1]
+        buf = self._peaks.get(j)
+        if buf is None or buf.numel() != numel or buf.dtype != stack.dtype:
+            with kept_tensors():
+                buf = self._peaks[j] = torch.empty(numel, dtype=stack.dtype)
+        return buf
+
+    def select(self, layout, j, seg, stack, peaks=None):
+        """Top-k per chunk of the segment's new momentum ``stack``; ``peaks``, when given, holds each
+        run's largest magnitude already (``peaks``).
 
         Returns (indices within each chunk, chunk-major, as they travel; the kept values; a function
         that subtracts what was sent from ``stack``)."""
@@ -103,7 +117,7 @@ class MomentumStacks:
             idx = topk_abs_indices(rows, k)
             return idx, rows.gather(1, idx), lambda sent: rows.scatter_add_(1, idx, -sent)
         if seg.chunk[-1] >= MIN_RUN:  # chunks scattered over rows: top-k over runs along the last axis
-            idx, pos = topk_abs_in_runs(stack.view(-1, seg.chunk[-1]), run_rows, k)
+            idx, pos = topk_abs_in_runs(stack.view(-1, seg.chunk[-1]), run_rows, k, peaks)
             return idx, stack.take(pos), lambda sent: stack.index_add_(0, pos.view(-1), sent.view(-1), alpha=-1)
         # short runs: copy to chunk-major rows and back
         shapes = [layout.specs[m].shape for m in seg.members]

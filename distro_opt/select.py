@@ -66,18 +66,22 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return best.gather(1, pick // GROUP) * GROUP + pick % GROUP
 
 
-def topk_abs_in_runs(rows: torch.Tensor, run_rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_abs_in_runs(
+    rows: torch.Tensor, run_rows: torch.Tensor, k: int, row_peaks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k by magnitude per chunk when chunks are scattered over the rows of ``rows``.
 
     ``rows`` (R, c) holds the coefficients in the tensors' own layout, a run of c along the last
     axis per row; ``run_rows`` (chunks, G) names each chunk's G runs in order (see
-    ``DCTTransform.run_rows``). Steps 1-2 above with the runs as groups: the k runs with the largest
-    peaks are the candidates. Returns (indices within each chunk, chunk-major, and positions in
-    ``rows.view(-1)``), both (chunks, k)."""
+    ``DCTTransform.run_rows``); ``row_peaks`` (R,), when given, holds each row's largest |x|.
+    Steps 1-2 above with the runs as groups: the k runs with the largest peaks are the candidates.
+    Returns (indices within each chunk, chunk-major, and positions in ``rows.view(-1)``), both
+    (chunks, k)."""
     chunks, runs = run_rows.shape
     c = rows.shape[1]
     if k < runs:
-        peaks = group_peaks(rows).index_select(0, run_rows.view(-1)).view(chunks, runs)  # ~3x faster than [run_rows]
+        row_peaks = group_peaks(rows) if row_peaks is None else row_peaks
+        peaks = row_peaks.index_select(0, run_rows.view(-1)).view(chunks, runs)  # ~3x faster than [run_rows]
         best = largest_indices(peaks, k)  # (chunks, k) run numbers
     else:  # every run is a candidate
         best = torch.arange(runs, device=rows.device).expand(chunks, runs)

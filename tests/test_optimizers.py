@@ -452,3 +452,29 @@ def test_checkpoint_with_an_unknown_delta_layout_or_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="delta for parameter 0 has shape"):
         target.load_state_dict(bad)
     assert all(torch.equal(target.state[p]["delta"], d) for p, d in before.items())  # nothing changed
+
+
+def test_run_peaks_taken_during_the_transform_select_what_a_separate_pass_selects(monkeypatch):
+    """On the CPU in float32 the forward transform hands the top-k each run's peak, taken from cache
+    (``DCTTransform.accumulate(peaks=...)``). The steps must be bit-identical to ones where the top-k
+    computes the peaks itself, over matrices that share slabs and one that spans several."""
+    from distro_opt.momentum import MomentumStacks
+
+    def run(with_peaks):
+        if not with_peaks:
+            monkeypatch.setattr(MomentumStacks, "peaks", lambda self, j, seg, stack: None)
+        torch.manual_seed(0)
+        shapes = [(256, 128), (64, 64), (64, 64), (1024, 512), (256,)]
+        params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+        opt = DisTrOAdamW(params, lr=0.01)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        monkeypatch.undo()
+        return [p.detach().clone() for p in params], [opt.state[p]["delta"].clone() for p in params]
+
+    params_a, deltas_a = run(True)
+    params_b, deltas_b = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    assert all(torch.equal(a, b) for a, b in zip(deltas_a, deltas_b))

@@ -152,9 +152,16 @@ def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(
     t = DCTTransform()
     chunk = t.chunk_shape(shape, target)
     inputs = [torch.from_numpy(x).to(dtype) for x in xs]
-    t.accumulate(inputs, chunk, torch.from_numpy(old).to(dtype), out, decay=0.9, scale=0.5)
+    peaks = torch.full((old.size // chunk[-1],), -1.0, dtype=dtype)
+    filled = t.accumulate(
+        inputs, chunk, torch.from_numpy(old).to(dtype), out, decay=0.9, scale=0.5, peaks=peaks
+    )
     want = 0.9 * old + 0.5 * np.concatenate([_scipy_own_layout(x, chunk).reshape(-1) for x in xs])
     np.testing.assert_allclose(out.numpy(), want, atol=atol)
+    # the run peaks come with the oneDNN path (matrices in float32), exactly max |out| of each run
+    assert filled == (forward_gemm is not None and DCTTransform._first_and_last_only(chunk))
+    if filled:
+        assert torch.equal(peaks, out.view(-1, chunk[-1]).abs().amax(1))
     # forward / inverse use the same layout
     x = torch.from_numpy(xs[0]).to(dtype)
     np.testing.assert_allclose(t.forward(x, chunk).numpy(), _scipy_own_layout(xs[0], chunk), atol=atol)
