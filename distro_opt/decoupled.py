@@ -179,7 +179,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             stack = self._stacks.spare(j, seg, deltas)
             old = self._stacks.committed(j, seg, deltas, stack)
             n, last = seg.chunk_numel, seg.chunk[-1]
-            peaks = self._stacks.peaks(j, seg, stack)
+            peaks = self._stacks.peaks(layout, j, seg, stack)
             filled = peaks is not None  # every run's peaks taken during the transform
             for run, (a, b) in transform_runs(entries, layout, seg):  # new = decay * Delta + scale * DCT(g)
                 group = entries[run[0]][0]

@@ -92,10 +92,15 @@ class MomentumStacks:
             return other
         return torch.cat([d.reshape(-1).to(spare.dtype) for d in deltas])
 
-    def peaks(self, j, seg, stack) -> torch.Tensor | None:
+    def peaks(self, layout, j, seg, stack) -> torch.Tensor | None:
         """A reused buffer for the largest magnitude of each run of ``seg.chunk[-1]`` coefficients of
-        segment ``j``'s ``stack`` (see ``DCTTransform.accumulate``), on the CPU; None elsewhere."""
-        if stack.device.type != "cpu":
+        segment ``j``'s ``stack`` (see ``DCTTransform.accumulate``), where the transform can fill it
+        and top-k reads runs: on the CPU, for chunks on the first and last axes only, scattered over
+        rows. None elsewhere."""
+        cpu_runs = stack.device.type == "cpu" and seg.chunk[-1] >= MIN_RUN
+        if not (cpu_runs and DCTTransform.first_and_last_only(seg.chunk)):
+            return None
+        if self._run_rows(layout, j, seg, stack.device) is None:  # chunks are rows: no runs to rank
             return None
         numel = stack.numel() // seg.chunk[-1]
         buf = self._peaks.get(j)

@@ -462,7 +462,7 @@ def test_run_peaks_taken_during_the_transform_select_what_a_separate_pass_select
 
     def run(with_peaks):
         if not with_peaks:
-            monkeypatch.setattr(MomentumStacks, "peaks", lambda self, j, seg, stack: None)
+            monkeypatch.setattr(MomentumStacks, "peaks", lambda self, layout, j, seg, stack: None)
         torch.manual_seed(0)
         shapes = [(256, 128), (64, 64), (64, 64), (1024, 512), (256,)]
         params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]

@@ -159,7 +159,7 @@ def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(
     want = 0.9 * old + 0.5 * np.concatenate([_scipy_own_layout(x, chunk).reshape(-1) for x in xs])
     np.testing.assert_allclose(out.numpy(), want, atol=atol)
     # the run peaks come with the oneDNN path (matrices in float32), exactly max |out| of each run
-    assert filled == (forward_gemm is not None and DCTTransform._first_and_last_only(chunk))
+    assert filled == (forward_gemm is not None and DCTTransform.first_and_last_only(chunk))
     if filled:
         assert torch.equal(peaks, out.view(-1, chunk[-1]).abs().amax(1))
     # forward / inverse use the same layout
