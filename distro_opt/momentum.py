@@ -110,8 +110,8 @@ class MomentumStacks:
         return buf
 
     def select(self, layout, j, seg, stack, peaks=None):
-        """Top-k per chunk of the segment's new momentum ``stack``; ``peaks``, when given, holds each
-        run's largest magnitude already (``peaks``).
+        """Top-k per chunk of the segment's new momentum ``stack``; ``peaks``, when given, already
+        holds each run's largest magnitude (the transform filled the buffer of ``peaks()``).
 
         Returns (indices within each chunk, chunk-major, as they travel; the kept values; a function
         that subtracts what was sent from ``stack``)."""
