@@ -478,3 +478,19 @@ def test_run_peaks_taken_during_the_transform_select_what_a_separate_pass_select
     params_b, deltas_b = run(False)
     assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
     assert all(torch.equal(a, b) for a, b in zip(deltas_a, deltas_b))
+
+
+@pytest.mark.parametrize("cls", [DisTrOAdamW, DeMo])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_weight_decay_follows_the_learning_rate_of_each_step(cls, dtype):
+    """With zero gradients the sign step is zero and only weight decay moves p: p *= 1 - lr * wd with
+    this step's lr, exactly as multiplying by that number, whatever the lr did before."""
+    p = torch.nn.Parameter(torch.randn(128, 64).to(dtype))
+    expected = p.detach().clone()
+    opt = cls([p], lr=0.1, weight_decay=0.1)
+    for lr in [0.1, 0.5, 0.5, 0.2]:
+        opt.param_groups[0]["lr"] = lr
+        p.grad = torch.zeros_like(p)
+        opt.step()
+        expected.mul_(1 - lr * 0.1)
+        assert torch.equal(p.detach(), expected)
