@@ -72,7 +72,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self._layouts: dict[tuple, PayloadLayout] = {}
         self._stacks = MomentumStacks(self._transform)
         self._pending = None
-        self._decay_factors: dict[tuple, tuple[float, torch.Tensor]] = {}
+        self._decay_factors: dict[tuple, tuple[float, torch.Tensor]] = {}  # see _weight_decay
 
     def add_param_group(self, param_group) -> None:
         """As torch's, then the group's own settings are validated like the constructor's, so a bad
@@ -105,20 +105,22 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _weight_decay(self, group, p) -> None:
         """Decoupled weight decay, p *= 1 - lr * wd (skipped when wd = 0: no pass over p).
 
-        For float32 and float64, by a 0-d tensor of p's dtype made once per value (the same product:
-        torch computes ``mul_`` by a number in p's dtype too), ~1.7 us a tensor faster than a
-        number that torch wraps on every call; other dtypes multiply by the number in float."""
+        On the CPU, for float32 and float64, by a 0-d tensor of p's dtype made once per value (the
+        same product: torch computes ``mul_`` by a number in p's dtype too), ~1.7 us a tensor faster
+        than a number that torch wraps on every call. Other dtypes multiply by the number in float;
+        on a GPU a number travels with the kernel, while a new 0-d tensor (the lr of a schedule
+        changes every step) would be a copy that waits for the device."""
         if group["weight_decay"] == 0:
             return
         factor = 1 - group["lr"] * group["weight_decay"]
-        if p.dtype not in (torch.float32, torch.float64):
+        if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64):
             p.mul_(factor)
             return
-        key = (p.dtype, p.device)
+        key = (id(group), p.dtype)  # one per group: groups' factors differ; the value is checked
         cached = self._decay_factors.get(key)
         if cached is None or cached[0] != factor:
             with kept_tensors():
-                tensor = torch.tensor(factor, dtype=p.dtype, device=p.device)
+                tensor = torch.tensor(factor, dtype=p.dtype)
             cached = self._decay_factors[key] = (factor, tensor)
         p.mul_(cached[1])
 

@@ -494,3 +494,17 @@ def test_weight_decay_follows_the_learning_rate_of_each_step(cls, dtype):
         opt.step()
         expected.mul_(1 - lr * 0.1)
         assert torch.equal(p.detach(), expected)
+
+
+def test_weight_decay_of_groups_with_their_own_learning_rates():
+    """Two groups whose parameters share a segment, each decayed with its own lr and weight decay."""
+    a, b = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))
+    want_a, want_b = a.detach().clone(), b.detach().clone()
+    groups = [{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.3, "weight_decay": 0.2}]
+    opt = DisTrOAdamW(groups, weight_decay=0.1)
+    for _ in range(3):
+        a.grad, b.grad = torch.zeros_like(a), torch.zeros_like(b)
+        opt.step()
+        want_a.mul_(1 - 0.1 * 0.1)
+        want_b.mul_(1 - 0.3 * 0.2)
+        assert torch.equal(a.detach(), want_a) and torch.equal(b.detach(), want_b)
