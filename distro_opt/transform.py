@@ -44,16 +44,6 @@ def _onednn_computes(x: torch.Tensor) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=1024)
-def _blocked_view(full: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """For ``DCTTransform.blocked``: the chunk-major shape (b_1, ..., b_d, c_1, ..., c_d) and the
-    permutation to (b_1, c_1, b_2, c_2, ...). Cached: a step asks for it once per tensor (~2 us
-    of Python each time otherwise)."""
-    d = len(chunk)
-    blocks = tuple(n // c for n, c in zip(full, chunk))
-    return blocks + chunk, tuple(i for pair in zip(range(d), range(d, 2 * d)) for i in pair)
-
-
 def chunk_size(n: int, target: int) -> int:
     """The largest divisor of ``n`` that is <= ``target`` (``n`` itself when ``n <= target``)."""
     if n <= target:
@@ -356,8 +346,18 @@ class DCTTransform:
     @classmethod
     def blocked(cls, y: torch.Tensor, full: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
         """Chunk-major rows (num_chunks, ...) as a view of shape ``blocked_shape(full, chunk)``."""
-        shape, order = _blocked_view(tuple(full), tuple(chunk))
+        shape, order = cls._blocked_view(tuple(full), tuple(chunk))
         return y.reshape(shape).permute(order)
+
+    @classmethod
+    @functools.lru_cache(maxsize=1024)
+    def _blocked_view(cls, full: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[tuple, tuple]:
+        """For ``blocked``: the chunk-major shape (b_1, ..., b_d, c_1, ..., c_d) and the permutation
+        to (b_1, c_1, b_2, c_2, ...). Cached: a step asks for it once per tensor (~2 us of Python
+        each time otherwise)."""
+        d = len(chunk)
+        blocks = cls.blocked_shape(full, chunk)[0::2]
+        return blocks + chunk, tuple(i for pair in zip(range(d), range(d, 2 * d)) for i in pair)
 
     def unchunk(self, y: torch.Tensor, full: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
         """Chunk-major (num_chunks, c_1, ..., c_d) back to the tensor's own layout (a copy)."""
