@@ -241,6 +241,7 @@ class DCTTransform:
         blocks = [x.reshape(-1, c, rest) for x in xs]
         per_tensor = blocks[0].shape[0]
         out_blocks = out.view(-1, c, rest)
+        old_blocks = None if old is None else old.view(-1, c, rest)
         first = self._basis(c, out)
         first = first * scale if scale != 1 else first
         basis = self._basis(last, out)
@@ -255,10 +256,10 @@ class DCTTransform:
             y = _ONEDNN_LINEAR(first, z.view(c, -1).T, None, "none", [], "")
             del z
             y = y.view(c, hi - lo, rest).transpose(0, 1)
-            if old is None:
+            if old_blocks is None:
                 out_blocks[lo:hi].copy_(y)
             else:
-                torch.add(y, old.view(-1, c, rest)[lo:hi], alpha=decay, out=out_blocks[lo:hi])
+                torch.add(y, old_blocks[lo:hi], alpha=decay, out=out_blocks[lo:hi])
             if peaks is not None:
                 scratch = self._workspace("peaks", (hi - lo, c, rest), out)
                 magnitude = torch.abs(out_blocks[lo:hi], out=scratch).view(-1, last)
