@@ -95,10 +95,9 @@ class MomentumStacks:
     def peaks(self, layout, j, seg, stack) -> torch.Tensor | None:
         """A reused buffer for the largest magnitude of each run of ``seg.chunk[-1]`` coefficients of
         segment ``j``'s ``stack`` (see ``DCTTransform.accumulate``), where the transform can fill it
-        and top-k reads runs: on the CPU, for chunks on the first and last axes only, scattered over
-        rows. None elsewhere."""
-        cpu_runs = stack.device.type == "cpu" and seg.chunk[-1] >= MIN_RUN
-        if not (cpu_runs and DCTTransform.first_and_last_only(seg.chunk)):
+        and top-k reads runs (``DCTTransform.fills_peaks``; runs of at least MIN_RUN, scattered over
+        rows). None elsewhere."""
+        if seg.chunk[-1] < MIN_RUN or not self._transform.fills_peaks(seg.chunk, stack):
             return None
         if self._run_rows(layout, j, seg, stack.device) is None:  # chunks are rows: no runs to rank
             return None

@@ -177,7 +177,7 @@ class DCTTransform:
         inner = [axis for axis in range(1, len(chunk)) if chunk[axis] > 1]  # transformed before the first
         last_only = inner == [len(chunk) - 1]
         onednn = _onednn_computes(old)
-        if onednn and self.first_and_last_only(chunk):
+        if self.fills_peaks(chunk, old):
             self._accumulate_onednn(xs, chunk, old, out, decay, scale, peaks)
             return peaks is not None
         if last_only:  # the last axis alone (a matrix's case): one GEMM per part, on rows of that axis
@@ -223,6 +223,12 @@ class DCTTransform:
     def first_and_last_only(chunk: tuple[int, ...]) -> bool:
         """Whether chunks span the first and the last axis and no other (a matrix's case)."""
         return len(chunk) > 1 and chunk[0] > 1 and chunk[-1] > 1 and all(c == 1 for c in chunk[1:-1])
+
+    @classmethod
+    def fills_peaks(cls, chunk: tuple[int, ...], like: torch.Tensor) -> bool:
+        """Whether ``accumulate`` into tensors like ``like`` takes the oneDNN matrix path
+        (``_accumulate_onednn``), the one that fills ``peaks``."""
+        return _onednn_computes(like) and cls.first_and_last_only(chunk)
 
     def _accumulate_onednn(self, xs, chunk, old, out, decay, scale, peaks=None):
         """``accumulate`` for tensors whose chunks span the first and the last axis only (matrices),
@@ -296,7 +302,7 @@ class DCTTransform:
         """DCT of every chunk of ``x``, left in ``x``'s own layout (element [i, j] of a 2-D tensor is
         coefficient (i mod c_1, j mod c_2) of chunk (i // c_1, j // c_2)). May return ``x`` itself when
         no dimension is transformed."""
-        if self.first_and_last_only(chunk) and _onednn_computes(x):
+        if self.fills_peaks(chunk, x):  # the oneDNN matrix path
             out = torch.empty(x.shape, dtype=x.dtype)
             self._accumulate_onednn([x], chunk, None, out.view(-1), decay=0.0, scale=1.0)
             return out
