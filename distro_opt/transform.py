@@ -31,6 +31,9 @@ _ONEDNN_LINEAR = (
     if torch.backends.mkldnn.is_available() and platform.machine().lower() in ("x86_64", "amd64")
     else None
 )
+# oneDNN's reorder of a linear layer's weight into its own blocked layout (an opaque tensor that only
+# ``_ONEDNN_LINEAR`` reads), or None: see ``DCTTransform._onednn_basis``.
+_ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN_LINEAR is not None else None
 
 
 def _onednn_computes(x: torch.Tensor) -> bool:
@@ -104,6 +107,25 @@ class DCTTransform:
                     self._bases[key] = dct_matrix(n, like.dtype, like.device)
         return self._bases[key]
 
+    def _onednn_basis(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """D as the weight of ``_ONEDNN_LINEAR`` (which computes rows @ D^T), reordered once into
+        oneDNN's own layout where this torch can (``_ONEDNN_PACK``), so no call reorders it again:
+        the step ~1% faster (A/B, 1 and 2 threads), the same bits. The reordered tensor has no
+        storage torch can copy: ``__getstate__`` leaves the caches out."""
+        key = (n, like.dtype, "onednn")
+        if key not in self._bases:
+            basis = self._basis(n, like)
+            with kept_tensors():
+                self._bases[key] = basis if _ONEDNN_PACK is None else _ONEDNN_PACK(basis)
+        return self._bases[key]
+
+    def __getstate__(self):
+        """Copies and pickles of a transform start with empty caches: they are rebuilt on use, and
+        oneDNN's reordered basis has no storage to copy."""
+        state = self.__dict__.copy()
+        state["_bases"], state["_scratch"] = {}, {}
+        return state
+
     def _batched_basis(self, c: int, b: int, rest: int, like: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """D (or D^T) for a batch of b products D @ (c, rest). Repeated in memory when that copy is no
         larger than the data (rest >= c): torch's batched GEMM runs ~1.8x slower (measured) when the
@@ -140,7 +162,7 @@ class DCTTransform:
         (MKL's sgemm) took 2-2.4x as long for these (rows, 64) by (64, 64) products (standalone,
         1 and 2 threads); results agree to float32 rounding, not always bit for bit."""
         if onednn:
-            return _ONEDNN_LINEAR(rows, self._basis(c, rows), None, "none", [], "")
+            return _ONEDNN_LINEAR(rows, self._onednn_basis(c, rows), None, "none", [], "")
         return torch.mm(rows, self._basis(c, rows, transposed=True), out=out)
 
     def _apply(self, y: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...], inverse: bool, first_axis=0, out=None):
@@ -250,7 +272,7 @@ class DCTTransform:
         old_blocks = None if old is None else old.view(-1, c, rest)
         first = self._basis(c, out)
         first = first * scale if scale != 1 else first
-        basis = self._basis(last, out)
+        basis = self._onednn_basis(last, out)
         per = max(1, SLAB_NUMEL // (c * rest))
         runs_per_block = c * rest // last
         for lo in range(0, len(xs) * per_tensor, per):

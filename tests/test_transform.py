@@ -1,4 +1,7 @@
 """The chunked DCT matches scipy's orthonormal DCT-II chunk by chunk, for tensors of any rank."""
+import copy
+import io
+
 import numpy as np
 import pytest
 import scipy.fft
@@ -186,6 +189,21 @@ def test_only_the_forward_transform_uses_onednn(forward_gemm):
     assert forward_gemm.calls == 0
     t.forward(y, chunk)
     assert forward_gemm.calls > 0
+
+
+@pytest.mark.parametrize("forward_gemm", ["torch", "onednn"], indirect=True)
+def test_a_used_transform_deep_copies_and_pickles(forward_gemm):
+    """Its caches hold, after oneDNN's forward, a basis in oneDNN's own layout that torch cannot copy:
+    copies and pickles leave the caches out and compute the same transform."""
+    t = DCTTransform()
+    x = torch.randn(128, 192)
+    chunk = t.chunk_shape(x.shape, 64)
+    expected = t.forward(x, chunk)
+    saved = io.BytesIO()
+    torch.save(t, saved)
+    saved.seek(0)
+    for other in (copy.deepcopy(t), torch.load(saved, weights_only=False)):
+        assert torch.equal(other.forward(x, chunk), expected)
 
 
 def test_forward_stays_differentiable_under_autograd():
