@@ -74,6 +74,16 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self._pending = None
         self._decay_factors: dict[tuple, tuple[float, torch.Tensor]] = {}  # see _weight_decay
 
+    def __getstate__(self):
+        """Refused, naming the supported way. torch's optimizers copy and pickle only defaults,
+        state and param_groups; a copy of this one made that way would lack its backend, transform
+        and momentum buffers and fail at its first step."""
+        raise TypeError(
+            f"{type(self).__name__} cannot be deep-copied or pickled whole (it holds a communication "
+            "backend and per-step buffers): save optimizer.state_dict() and load it into a new "
+            "optimizer with load_state_dict()"
+        )
+
     def add_param_group(self, param_group) -> None:
         """As torch's, then the group's own settings are validated like the constructor's, so a bad
         per-group value fails here rather than silently doing something else at the first step."""

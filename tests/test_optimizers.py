@@ -1,4 +1,5 @@
 """Torch conventions and multi-worker behaviour of DisTrOAdamW and DeMo."""
+import copy
 import io
 import math
 import warnings
@@ -128,6 +129,20 @@ def test_state_dict_resume_is_bit_identical(cls, extra):
     train(resumed, opt, 5, start=5)
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_copying_or_pickling_the_optimizer_object_says_to_use_state_dict(cls):
+    """torch's own pickling of an optimizer keeps only defaults, state and param_groups, which would
+    give an object that fails at its first step: refused up front, with the supported way named."""
+    model = make_model()
+    opt = cls(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    with pytest.raises(TypeError, match=r"cannot be deep-copied or pickled whole.*state_dict\(\)"):
+        copy.deepcopy(opt)
+    with pytest.raises(TypeError, match="load_state_dict"):
+        torch.save(opt, io.BytesIO())
+    train(model, opt, 1, start=2)  # the refusal changed nothing
 
 
 def test_state_dict_holds_every_tensor_of_state():
