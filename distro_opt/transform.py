@@ -33,7 +33,7 @@ _ONEDNN_LINEAR = (
 )
 # oneDNN's reorder of a linear layer's weight into its own blocked layout (an opaque tensor that only
 # ``_ONEDNN_LINEAR`` reads), or None: see ``DCTTransform._onednn_basis``.
-_ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _ONEDNN_LINEAR is not None else None
+_ONEDNN_PACK = None if _ONEDNN_LINEAR is None else getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 
 
 def _onednn_computes(x: torch.Tensor) -> bool:
@@ -98,26 +98,28 @@ class DCTTransform:
     def _basis(self, n: int, like: torch.Tensor, transposed: bool = False) -> torch.Tensor:
         """D, or D^T as a contiguous copy (a GEMM with a contiguous right factor ran ~7% faster
         here than with a transposed view)."""
-        key = (n, like.dtype, like.device, transposed)
-        if key not in self._bases:
+        if transposed:
+            key = ("transposed", n, like.dtype, like.device)
+            return self._cached(key, lambda: self._basis(n, like).T.contiguous())
+        key = ("basis", n, like.dtype, like.device)
+        return self._cached(key, lambda: dct_matrix(n, like.dtype, like.device))
+
+    def _cached(self, key: tuple, make) -> torch.Tensor:
+        """The basis tensor cached under ``key`` (its first entry names the kind), ``make()`` once."""
+        tensor = self._bases.get(key)
+        if tensor is None:
             with kept_tensors():
-                if transposed:
-                    self._bases[key] = self._basis(n, like).T.contiguous()
-                else:
-                    self._bases[key] = dct_matrix(n, like.dtype, like.device)
-        return self._bases[key]
+                tensor = self._bases[key] = make()
+        return tensor
 
     def _onednn_basis(self, n: int, like: torch.Tensor) -> torch.Tensor:
         """D as the weight of ``_ONEDNN_LINEAR`` (which computes rows @ D^T), reordered once into
         oneDNN's own layout where this torch can (``_ONEDNN_PACK``), so no call reorders it again:
         the step ~1% faster (A/B, 1 and 2 threads), the same bits. The reordered tensor has no
         storage torch can copy: ``__getstate__`` leaves the caches out."""
-        key = (n, like.dtype, "onednn")
-        if key not in self._bases:
-            basis = self._basis(n, like)
-            with kept_tensors():
-                self._bases[key] = basis if _ONEDNN_PACK is None else _ONEDNN_PACK(basis)
-        return self._bases[key]
+        if _ONEDNN_PACK is None:
+            return self._basis(n, like)
+        return self._cached(("onednn", n, like.dtype), lambda: _ONEDNN_PACK(self._basis(n, like)))
 
     def __getstate__(self):
         """Copies and pickles of a transform start with empty caches: they are rebuilt on use, and
@@ -134,11 +136,8 @@ class DCTTransform:
         basis = basis.T if inverse else basis
         if rest < c:
             return basis.expand(b, c, c)
-        key = (c, b, inverse, like.dtype, like.device)
-        if key not in self._bases:
-            with kept_tensors():
-                self._bases[key] = basis.expand(b, c, c).contiguous()
-        return self._bases[key]
+        key = ("batched", c, b, inverse, like.dtype, like.device)
+        return self._cached(key, lambda: basis.expand(b, c, c).contiguous())
 
     def _axis(self, y: torch.Tensor, shape: tuple[int, ...], axis: int, c: int, inverse: bool, out=None):
         """Multiply every chunk along ``axis`` by D (forward) or D^T (inverse), in the tensor's own
