@@ -6,13 +6,16 @@ vocab 32000, tied here: 1.14B parameters; for a GPU, ~80 GB with all arms). Grad
 one worker (the collective is then a local copy), so what is timed is the optimizer's own work:
 DCT, top-k, quantization, packing, decoding, aggregation.
 The arms are timed in interleaved rounds so machine noise hits them alike; the table reports the
-median per-step time and the median over rounds of the ratio to AdamW within each round.
+median per-step time and the median over rounds of the ratio to AdamW within each round. On the CPU
+its header names the CPU and gives two quick probes taken after the rounds, float32 GEMM GFLOP/s and
+memory copy GB/s: one VM type's name can cover CPUs of very different speed.
 
     python benchmarks/bench_step.py [--steps 20] [--rounds 5] [--threads 2] [--device cuda] [--model 1.2b]
 """
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 
@@ -89,6 +92,43 @@ def timing_setup(description, argv, threads=2, rounds=5, steps=20, extra=None):
     return args
 
 
+def cpu_name() -> str:
+    """The CPU's model name, with family and model numbers where Linux gives them (one VM type's
+    name, e.g. "AMD EPYC", can cover CPUs of very different speed)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = fields.get("model name", platform.machine())
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+def machine_speeds() -> str:
+    """Two quick probes that tell machines (and a shared VM's states) apart: float32 GEMM throughput
+    (1024^3 torch.mm) and memory bandwidth (a 64 MB copy), each the best of several tries."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    src, dst = torch.randn(1 << 24), torch.empty(1 << 24)
+
+    def best(fn, tries):
+        fn()
+        times = []
+        for _ in range(tries):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    gflops = 2 * 1024**3 / best(lambda: torch.mm(a, b), 10) / 1e9
+    gbps = 2 * src.numel() * src.element_size() / best(lambda: dst.copy_(src), 10) / 1e9
+    return f"GEMM {gflops:.0f} GFLOP/s, copy {gbps:.0f} GB/s"
+
+
 def parse_device(text):
     try:
         return torch.device(text)
@@ -120,8 +160,11 @@ def main(argv=None):
         for opt, params, grads, times in setups.values():
             times.append(time_steps(opt, params, grads, args.steps))
     dense_bf16 = 2 * nparams
-    where = (f"{torch.get_num_threads()} threads" if device.type == "cpu"
-             else torch.cuda.get_device_name(device))
+    if device.type == "cpu":  # the machine's probes run after the timed rounds, so as not to disturb them
+        threads = torch.get_num_threads()
+        where = f"{threads} thread{'s' * (threads != 1)}, {cpu_name()}, {machine_speeds()}"
+    else:
+        where = torch.cuda.get_device_name(device)
     print(f"{nparams / 1e6:.2f}M parameters, {where}, torch {torch.__version__}\n")
     print("| optimizer | step (ms) | vs AdamW | bytes sent per step | bytes/param | vs dense bf16 |")
     print("|---|---|---|---|---|---|")
