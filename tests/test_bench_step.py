@@ -1,0 +1,44 @@
+"""The step benchmark runs end to end and reports what it claims: every arm, the machine, and the
+optimizers' own byte counts (one short round: only that it works is checked, not any time)."""
+import importlib.util
+import pathlib
+import re
+
+import pytest
+import torch
+
+from distro_opt import DisTrOAdamW, DeMo
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step.py"
+
+
+@pytest.fixture
+def bench():
+    """The script as a module; torch's thread count and random state, which it sets, are restored."""
+    spec = importlib.util.spec_from_file_location("bench_step", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    yield module
+    torch.set_num_threads(threads)
+    torch.set_rng_state(rng)
+
+
+def test_one_short_round_prints_every_arm_the_machine_and_the_payload_bytes(bench, capsys):
+    bench.main(["--rounds", "1", "--steps", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert "1 thread," in header and bench.cpu_name() in header
+    assert re.search(r"GEMM \d+ GFLOP/s, copy \d+ GB/s", header)
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert set(bench.ARMS) <= set(rows)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in bench.transformer_shapes()]
+    for name, make in (("DisTrOAdamW (defaults)", lambda ps: DisTrOAdamW(ps, lr=1e-3)),
+                       ("DeMo (reference settings)", lambda ps: DeMo(ps, lr=1e-3))):
+        assert f"| {make(params).payload_nbytes:,} |" in rows[name]
+
+
+def test_an_unknown_device_is_refused_with_a_clear_message(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "gpu0"])
+    assert "not a torch device: 'gpu0'" in capsys.readouterr().err
