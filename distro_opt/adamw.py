@@ -210,4 +210,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         m.lerp_(direction, 1 - beta1)
         v.mul_(beta2).addcmul_(direction, direction, value=1 - beta2)
         denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-        target.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-group["lr"] / (1 - beta1**t))
+        if p.dtype == denom.dtype:
+            target.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1**t))
+        else:  # the ratio in the momentum's dtype: eps (1e-8) is 0 in float16, and 0 / 0 is NaN
+            target.add_((m / denom).to(p.dtype), alpha=-group["lr"] / (1 - beta1**t))

@@ -161,6 +161,10 @@ class PayloadLayout:
             idx = unpack_bits(buf[seg.offset : seg.offset + seg.index_nbytes], seg.index_bits, count)
             if (idx >= seg.chunk_numel).any():
                 raise PayloadError(f"payload index out of range in segment {j} (chunk of {seg.chunk_numel})")
+            if seg.k > 1:  # a sender's top-k names distinct coefficients: a repeat would count it twice
+                ranked = idx.view(seg.num_chunks, seg.k).sort(1).values
+                if (ranked[:, 1:] == ranked[:, :-1]).any():
+                    raise PayloadError(f"payload repeats an index within a chunk in segment {j}")
             data = buf[seg.offset + seg.index_nbytes : seg.offset + seg.nbytes]
             try:
                 values = value_codec(seg.bits).decode(data, seg.num_chunks, seg.k)

@@ -146,7 +146,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
 
     # -- layout ----------------------------------------------------------------------------------
     def _entries(self):
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        """(group, parameter) of every parameter that trains; one with no elements has nothing to
+        send or update (torch's AdamW accepts such parameters too)."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel() > 0]
 
     def _layout(self, entries) -> PayloadLayout:
         key = tuple(
@@ -194,16 +196,21 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _compress(self, entries, layout, inputs):
         """Momentum update, top-k, quantization and error feedback, without touching the state.
 
-        Returns (None, None) when an input is not finite. A NaN or inf anywhere in a chunk spreads
-        to all of that chunk's coefficients, and top-k ranks NaN and inf first, so checking the kept
-        values finds it without another pass over the gradients."""
+        Returns (None, None) when an input is not finite, or the momentum overflows the values'
+        codec. A NaN or inf anywhere in a chunk spreads to all of that chunk's coefficients, and
+        top-k ranks NaN and inf first, so checking the values to send finds it without another pass
+        over the gradients. Those are checked as the receivers will decode them: a finite value
+        beyond bf16's (or float32's) range is sent as inf, which every receiver would refuse."""
         grad_scale = getattr(self, "grad_scale", None)
         unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         parts, news = [], [None] * len(entries)
         finite = []  # one flag per segment, read once at the end (on a GPU, a read waits for the device)
+        # every buffer a state tensor views, the frozen parameters' included (a new state's zeros are not one)
+        states = [st for st in self.state.values() if isinstance(st, dict) and "delta" in st]
+        in_use = {st["delta"].untyped_storage().data_ptr() for st in states}
         for j, seg in enumerate(layout.segments):
             deltas = [self._state(entries[m][1], layout.specs[m])["delta"] for m in seg.members]
-            stack = self._stacks.spare(j, seg, deltas)
+            stack = self._stacks.spare(j, seg, deltas, in_use)
             old = self._stacks.committed(j, seg, deltas, stack)
             n, last = seg.chunk_numel, seg.chunk[-1]
             peaks = self._stacks.peaks(layout, j, seg, stack)
@@ -217,15 +224,18 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                     peaks=None if peaks is None else peaks[a * n // last : b * n // last],
                 )
             idx, kept, feedback = self._stacks.select(layout, j, seg, stack, peaks if filled else None)
-            finite.append(torch.isfinite(kept).all())
             vbytes, sent = value_codec(seg.bits).encode(kept)
+            finite.append(torch.isfinite(sent).all())
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             with kept_tensors():  # the new state: views of the kept buffer, copies where dtypes mix
                 for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
                     news[m] = _as_dtype(stack[start * n : end * n].view(d.shape), d.dtype)
         if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
-            warnings.warn("distro-opt: non-finite local gradient; this worker contributes nothing this step")
+            warnings.warn(
+                "distro-opt: non-finite local gradient (or momentum beyond the range of compression_bits' "
+                "values); this worker contributes nothing this step"
+            )
             return None, None
         return parts, news
 
@@ -235,12 +245,14 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             return torch.zeros(p.shape, dtype=dtype, device=p.device)
         return _as_dtype(x, dtype)
 
-    def _decode_all(self, layout, bufs):
+    def _decode_all(self, entries, layout, bufs):
         decoded = []
         drops = getattr(self.comm, "drops_invalid_payloads", False)
         for i, buf in enumerate(bufs):
             try:
                 payload = layout.decode(buf)
+                if payload is not None:
+                    payload = self._in_work_dtypes(entries, layout, payload)
             except PayloadError as exc:
                 if not drops:
                     raise PayloadError(f"payload of worker {i} rejected: {exc}") from None
@@ -250,6 +262,20 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             if payload is not None:
                 decoded.append(payload)
         return decoded
+
+    def _in_work_dtypes(self, entries, layout, payload):
+        """Each segment's values in the dtype they are applied in (its first member's momentum),
+        refused where that dtype cannot hold them: finite float64 values (``compression_bits=64``)
+        beyond float32's range would be applied as inf."""
+        out = []
+        for j, (seg, (idx, values)) in enumerate(zip(layout.segments, payload)):
+            dtype = self._work_dtype(entries[seg.members[0]][1])
+            narrower = torch.finfo(dtype).max < torch.finfo(values.dtype).max
+            values = _as_dtype(values, dtype)
+            if narrower and not torch.isfinite(values).all():
+                raise PayloadError(f"payload values beyond the range of {dtype} in segment {j}")
+            out.append((idx, values))
+        return out
 
     def _apply(self, entries, layout, decoded):
         if not decoded and self._skip_empty_steps:  # nobody contributed: skipped on every worker alike
@@ -281,7 +307,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         bufs = handle.wait()
         t1 = time.perf_counter()
-        decoded = self._decode_all(layout, bufs)
+        decoded = self._decode_all(entries, layout, bufs)
         if before_apply is not None:
             before_apply()
         self._apply(entries, layout, decoded)
@@ -317,9 +343,17 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 state["delta"] = new
 
         if self.overlap:  # step t's collective travels while step t+1 computes; its update lands then
-            commit()
-            previous, self._pending = self._pending, (self.comm.start_all_gather(buf), entries, layout)
-            comm_s, apply_s = self._finish(previous) if previous is not None else (0.0, 0.0)
+            previous, self._pending = self._pending, None
+
+            def commit_and_send():  # once step t-1's payloads are valid: a rejected step changes nothing
+                commit()
+                self._pending = (self.comm.start_all_gather(buf), entries, layout)
+
+            if previous is None:
+                commit_and_send()
+                comm_s, apply_s = 0.0, 0.0
+            else:
+                comm_s, apply_s = self._finish(previous, before_apply=commit_and_send)
         else:
             pending = (self.comm.start_all_gather(buf), entries, layout)
             comm_s, apply_s = self._finish(pending, before_apply=commit)

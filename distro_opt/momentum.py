@@ -63,13 +63,15 @@ class MomentumStacks:
         """Forget the buffers (after loading a state: its tensors may be views of them)."""
         self._pairs = {}
 
-    def spare(self, j, seg, deltas) -> torch.Tensor:
-        """The buffer that no state tensor views: this step's new momentum goes there."""
+    def spare(self, j, seg, deltas, in_use: set[int]) -> torch.Tensor:
+        """The buffer that no state tensor views: this step's new momentum goes there. ``in_use``
+        holds the storage address of every state tensor of the optimizer, not only this segment's:
+        after the layout changes (a parameter frozen or unfrozen), segment ``j``'s buffers may back
+        other parameters' momentum."""
         dtype = deltas[0].dtype
         for other in {d.dtype for d in deltas} - {dtype}:
             dtype = torch.promote_types(dtype, other)
         shape, device = (seg.num_chunks * seg.chunk_numel,), deltas[0].device
-        in_use = {d.untyped_storage().data_ptr() for d in deltas}
         pair = self._pairs.get(j)
         if (
             pair is None

@@ -136,7 +136,11 @@ class ScaledValues:
         return scale.to(torch.bfloat16).to(values.dtype)  # what the receivers will see
 
     def _codes(self, values, scale):
+        """Each value's code. NaN gets a valid code (that of 0) instead of an integer cast's garbage:
+        the sender checks what it would send for NaN and inf, after encoding (``_compress``)."""
         x = values / torch.where(scale > 0, scale, torch.ones_like(scale))
+        if self.nbits > 1:
+            x = torch.nan_to_num(x, nan=0.0)  # +-inf are clamped below
         if self.nbits == 1:
             return (x >= 0).to(torch.int64)
         if self.nbits == 2:

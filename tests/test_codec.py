@@ -79,7 +79,7 @@ def test_payload_size_equals_formula():
 
 def _layout_and_payload():
     layout = PayloadLayout([param_spec((96, 64), 8, 64, 32)])
-    idx = torch.randint(0, 96 * 64 // 2, (2, 8))  # 2 chunks of 48x64, 12-bit indices
+    idx = torch.randperm(96 * 64 // 2)[:16].view(2, 8)  # 2 chunks of 48x64, 12-bit indices, no repeats
     vbytes, _ = value_codec(32).encode(torch.randn(2, 8))
     return layout, layout.encode([(idx, vbytes)]), idx
 
@@ -112,6 +112,18 @@ def test_decode_rejects_index_out_of_range():
         layout.decode(bad)
 
 
+def test_decode_rejects_an_index_repeated_within_a_chunk():
+    """A top-k names k distinct coefficients; a payload repeating one would count as two workers
+    in the mean (``aggregate``)."""
+    layout = PayloadLayout([param_spec((64, 128), 4, 64, 32)])
+    idx = torch.tensor([[5, 9, 700, 4000], [1, 2, 3, 4]])
+    values = value_codec(32).encode(torch.randn(2, 4))[0]
+    assert layout.decode(layout.encode([(idx, values)])) is not None
+    idx[1, 3] = 2  # chunk 1: 1, 2, 3, 2
+    with pytest.raises(PayloadError, match="repeats an index within a chunk"):
+        layout.decode(layout.encode([(idx, values)]))
+
+
 def test_decode_rejects_non_finite_values():
     layout, buf, _ = _layout_and_payload()
     bad = buf.clone()
@@ -124,7 +136,7 @@ def test_decode_rejects_non_finite_values():
 
 def test_decode_rejects_negative_scale():
     layout = PayloadLayout([param_spec((64, 64), 4, 64, 1)])
-    buf = layout.encode([(torch.zeros(1, 4, dtype=torch.long), value_codec(1).encode(torch.ones(1, 4))[0])])
+    buf = layout.encode([(torch.arange(4).view(1, 4), value_codec(1).encode(torch.ones(1, 4))[0])])
     buf[-2:] = torch.tensor([-1.0], dtype=torch.bfloat16).view(torch.uint8)
     with pytest.raises(PayloadError, match="negative chunk scale"):
         layout.decode(buf)

@@ -190,18 +190,21 @@ def test_workers_end_with_identical_replicas_and_counted_bytes(cls):
         assert stats.bytes_sent == stats.bytes_received == 6 * 3 * nbytes
 
 
-def test_non_finite_worker_contributes_nothing_and_poisons_no_one():
+# value codecs of each kind (the scaled ones map each value to an integer code), NaN and inf
+@pytest.mark.parametrize("bits, bad", [(1, "nan"), (1, "inf"), (8, "nan"), (8, "-inf"), (2, "nan"),
+                                       (32, "inf")])
+def test_non_finite_worker_contributes_nothing_and_poisons_no_one(bits, bad):
     models = [make_model() for _ in range(3)]
 
     def worker(backend):
         model = models[backend.rank]
-        opt = DisTrOAdamW(model.parameters(), lr=0.01, comm=backend)
+        opt = DisTrOAdamW(model.parameters(), lr=0.01, comm=backend, compression_bits=bits)
         for t in range(4):
             x, y = batch(t, backend.rank)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             if backend.rank == 1 and t == 2:
-                next(model.parameters()).grad[0, 0] = float("nan")
+                next(model.parameters()).grad[0, 0] = float(bad)
             opt.step()
         return [p.detach().clone() for p in model.parameters()], float(opt.state[model[0].weight]["delta"].abs().sum())
 
@@ -214,6 +217,56 @@ def test_non_finite_worker_contributes_nothing_and_poisons_no_one():
         assert math.isfinite(delta_sum)
         assert all(torch.isfinite(p).all() for p in params)
         assert all(torch.equal(a, b) for a, b in zip(results[0][0], params))
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8])  # float32 values, bf16 values, a bf16 chunk scale
+def test_a_finite_momentum_beyond_the_codecs_range_is_not_sent_as_inf(bits):
+    """float64 momentum of 1e39 is finite, but float32 and bf16 carry at most ~3.4e38: the worker
+    contributes nothing (instead of sending inf, which every receiver would refuse)."""
+    params = [torch.nn.Parameter(torch.zeros(8, 8, dtype=torch.float64)) for _ in range(2)]
+
+    def worker(backend):
+        p = params[backend.rank]
+        opt = DeMo([p], lr=0.1, compression_bits=bits, comm=backend)
+        p.grad = torch.full_like(p, 1e39 if backend.rank == 1 else 1.0)
+        opt.step()
+        return p.detach().clone()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = InProcessBackend.run(2, worker, timeout_s=60)
+    assert sum("non-finite local gradient" in str(w.message) for w in caught) == 1
+    for p in results:  # the healthy worker's sign step alone: -lr where its gradient was
+        assert torch.isfinite(p).all() and torch.equal(p, results[0])
+    assert (results[0] != 0).any()
+
+
+@pytest.mark.parametrize("steps_before", [1, 2])
+def test_unfreezing_a_parameter_leaves_the_others_momentum_intact(steps_before):
+    """A frozen matrix unfrozen after some steps changes the payload's segments: the new segment
+    must not write into a buffer that still holds another parameter's momentum. Reference: the
+    same run through a checkpoint just before the unfreezing, which starts from fresh buffers."""
+
+    def run(through_checkpoint):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+        v = torch.nn.Parameter(torch.randn(4096))  # as many elements as w: same-sized buffers
+        opt = DisTrOAdamW([w, v], lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps_before):
+            v.grad = torch.randn(4096, generator=g)
+            opt.step()
+        if through_checkpoint:
+            state = opt.state_dict()
+            opt = DisTrOAdamW([w, v], lr=0.01)
+            opt.load_state_dict(state)
+        w.requires_grad_(True)
+        w.grad, v.grad = torch.randn(64, 64, generator=g) * 100, torch.randn(4096, generator=g)
+        opt.step()
+        return [t.detach().clone() for t in (w, v, opt.state[w]["delta"], opt.state[v]["delta"])]
+
+    for ours, reference in zip(run(False), run(True)):
+        assert torch.equal(ours, reference)
 
 
 @pytest.mark.parametrize("width", [32, 33])  # same buffer size but other shapes; other size
@@ -267,6 +320,21 @@ class _CorruptingBackend(SingleWorkerBackend):
         return out + [buf[:-1]] if self.calls in self.bad_steps else out + [buf]
 
 
+def _step_is_rejected_and_changes_nothing(model, opt, t):
+    """One step on batch ``t`` that must raise for worker 1's payload and leave the parameters and
+    the momentum as they were; returns the model's state from before it."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    deltas = [opt.state[p]["delta"].clone() for p in model.parameters()]
+    x, y = batch(t)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(PayloadError, match="worker 1"):
+        opt.step()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model.parameters()))
+    return before
+
+
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_rejected_step_leaves_state_as_committed_and_training_continues_unharmed(cls):
     """The momentum is written into a spare buffer and committed only after every payload is
@@ -277,18 +345,65 @@ def test_rejected_step_leaves_state_as_committed_and_training_continues_unharmed
         opt = cls(model.parameters(), lr=0.01, comm=_CorruptingBackend(bad))
         train(model, opt, 2)
         if bad:
-            before = {k: v.clone() for k, v in model.state_dict().items()}
-            deltas = [opt.state[p]["delta"].clone() for p in model.parameters()]
-            x, y = batch(99)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            with pytest.raises(PayloadError, match="worker 1"):
-                opt.step()
-            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-            assert all(torch.equal(d, opt.state[p]["delta"]) for d, p in zip(deltas, model.parameters()))
+            _step_is_rejected_and_changes_nothing(model, opt, 99)
         train(model, opt, 3, start=2)
         runs[name] = [p.detach().clone() for p in model.parameters()] + [opt.state[p]["delta"] for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(runs["clean"], runs["faulty"]))
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_parameter_with_no_elements_is_accepted_and_left_alone(cls):
+    empty, w = torch.nn.Parameter(torch.zeros(0, 8)), torch.nn.Parameter(torch.ones(8, 8))
+    opt = cls([empty, w], lr=0.1)
+    assert opt.payload_nbytes == cls([w], lr=0.1).payload_nbytes
+    empty.grad, w.grad = torch.zeros(0, 8), torch.ones(8, 8)
+    opt.step()
+    assert empty.shape == (0, 8) and (w != 1).all()
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_overlap_mode_rejected_step_changes_nothing_and_training_goes_on(cls):
+    """In overlap mode step t validates step t-1's payloads before it commits its own momentum and
+    sends it: a step that rejects them changes neither parameters nor state (step t-1's update is
+    lost, on every worker alike), and the next step trains on."""
+    model = make_model()
+    opt = cls(model.parameters(), lr=0.01, comm=_CorruptingBackend({3}), overlap=True)
+    train(model, opt, 3)  # step 3's gather (the bad one) is finished by step 4
+    before = _step_is_rejected_and_changes_nothing(model, opt, 3)
+    train(model, opt, 2, start=4)
+    opt.flush()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _TwoWorkerBackend(SingleWorkerBackend):
+    """One worker whose gather hands back, after its own payload, ``other`` as a second worker's."""
+
+    other = None
+
+    def all_gather(self, buf):
+        return super().all_gather(buf) + [self.other]
+
+
+@pytest.mark.parametrize("value, refused", [(1e30, False), (1e300, True)])
+def test_float64_values_beyond_float32_are_refused_before_a_float32_momentum_takes_them(value, refused):
+    """With compression_bits=64 on float32 parameters the wire carries float64 values, which are
+    applied in float32: one beyond its range would land as inf, so the payload is refused."""
+    p = torch.nn.Parameter(torch.zeros(16, 16))
+    backend = _TwoWorkerBackend()
+    opt = DisTrOAdamW([p], lr=0.01, compression_bits=64, compression_chunk=16, comm=backend)
+    seg = opt.payload_layout.segments[0]
+    values = torch.full((seg.num_chunks, seg.k), value, dtype=torch.float64)
+    backend.other = opt.payload_layout.encode([(torch.arange(seg.k).expand(seg.num_chunks, -1),
+                                                values.view(torch.uint8).reshape(-1))])
+    p.grad = torch.ones_like(p)
+    if not refused:
+        opt.step()
+        assert torch.isfinite(p).all() and (p != 0).any()
+        return
+    with pytest.raises(PayloadError, match="worker 1 rejected: .* beyond the range of torch.float32"):
+        opt.step()
+    assert not p.any() and not opt.state[p]["delta"].any()
 
 
 def test_segment_mixing_float64_and_float32_parameters_keeps_each_buffer_dtype():
@@ -509,6 +624,17 @@ def test_weight_decay_follows_the_learning_rate_of_each_step(cls, dtype):
         opt.step()
         expected.mul_(1 - lr * 0.1)
         assert torch.equal(p.detach(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_adam_update_of_a_half_precision_parameter_with_no_direction_stays_finite(dtype):
+    """Where U = 0 the Adam step is 0 / (0 + eps): eps = 1e-8 is 0 in float16, so the ratio is taken
+    in the momentum's float32 before it meets the parameter (torch's AdamW gives NaN here)."""
+    p, q = (torch.nn.Parameter(torch.ones(8, 8, dtype=dtype)) for _ in range(2))
+    opt = DisTrOAdamW([p, q], lr=0.01, weight_decay=0.0, update="adam")
+    p.grad, q.grad = torch.zeros_like(p), torch.randn(8, 8).to(dtype)  # q: so the step is not empty
+    opt.step()
+    assert torch.equal(p, torch.ones_like(p)) and torch.isfinite(q).all() and (q != 1).any()
 
 
 def test_weight_decay_of_groups_with_their_own_learning_rates():
