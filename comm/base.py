@@ -86,7 +86,10 @@ class Backend(ABC):
 
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce ``tensor`` in place across workers (``op`` in ``REDUCE_OPS``) and return it."""
+        """Reduce ``tensor`` in place across workers (``op`` in ``REDUCE_OPS``) and return it.
+
+        Implementations call ``check_reduce(tensor, op)`` before anything leaves the worker.
+        """
 
     def start_all_gather(self, buf: torch.Tensor) -> PendingGather:
         """Start an all-gather; the default runs it at once. Backends that can overlap override it."""
@@ -103,9 +106,22 @@ def check_buffer(buf: torch.Tensor) -> None:
         raise TypeError(f"all_gather expects a 1-D torch.uint8 tensor, got {_describe(buf)}")
 
 
-def check_reduce_op(op: str) -> None:
+def check_reduce(tensor: torch.Tensor, op: str) -> None:
+    """Reject an all_reduce no backend can do, before any byte is sent or the tensor is touched.
+
+    The mean of integers is not an integer: a backend would either fail after summing in place
+    (the caller's tensor left holding the sum) or truncate. Every backend calls this first, so
+    they all refuse the same calls with the same message.
+    """
     if op not in REDUCE_OPS:
         raise ValueError(f"Invalid reduce op: {op!r} (expected one of {REDUCE_OPS})")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"all_reduce expects a torch.Tensor, got {_describe(tensor)}")
+    if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(
+            f"Invalid all_reduce: op='mean' of a {tensor.dtype} tensor (the mean of integers is not "
+            "an integer): use op='sum' and divide, or reduce a floating-point tensor"
+        )
 
 
 def _describe(x) -> str:
@@ -125,9 +141,9 @@ class SingleWorkerBackend(Backend):
     def all_gather(self, buf):
         check_buffer(buf)
         self.stats.record(0, 0)
-        return [buf]
+        return [buf.detach().clone()]  # like every backend: the caller may reuse its send buffer
 
     def all_reduce(self, tensor, op="mean"):
-        check_reduce_op(op)
+        check_reduce(tensor, op)
         self.stats.record(0, 0)
         return tensor

@@ -51,8 +51,8 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce_op
-from .hivemind_membership import ACTIVE, Membership, majority
+from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce
+from .hivemind_membership import ACTIVE, Membership, check_heartbeat, majority
 from . import hivemind_wire as wire
 from .hivemind_catchup import CatchUp, HivemindBackendError
 from .hivemind_round import GatherStreams, Round
@@ -88,6 +88,32 @@ def is_loopback_maddr(maddr) -> bool:
         return False
 
 
+def check_settings(
+    run_id, *, step_timeout_s, gather_fraction, exclude_s, heartbeat_s, ttl_s, max_peers,
+    max_state_nbytes, state_timeout_s, log_rounds, startup_timeout_s,
+) -> None:
+    """Refuse bad settings before anything starts: a refusal after the DHT started would leak it."""
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id):
+        raise ValueError(f"Invalid run_id: {run_id!r} (1-64 characters of A-Z a-z 0-9 _ . -)")
+    if not 0 < gather_fraction < VOTE_FRACTION:
+        raise ValueError(f"Invalid gather_fraction: {gather_fraction!r} (expected in (0, {VOTE_FRACTION}))")
+    check_heartbeat(heartbeat_s, ttl_s)
+    for name, seconds in (
+        ("step_timeout_s", step_timeout_s),
+        ("state_timeout_s", state_timeout_s),
+        ("startup_timeout_s", startup_timeout_s),
+    ):
+        if not seconds > 0:
+            raise ValueError(f"Invalid {name}: {seconds!r} (expected a number of seconds > 0)")
+    if not exclude_s >= 0:
+        raise ValueError(f"Invalid exclude_s: {exclude_s!r} (expected a number of seconds >= 0)")
+    # log_rounds >= 1: a log of 0 rounds drops each round as it ends, so no late peer could catch up
+    for name, count, least in (("max_peers", max_peers, 1), ("log_rounds", log_rounds, 1),
+                               ("max_state_nbytes", max_state_nbytes, 0)):
+        if not isinstance(count, int) or isinstance(count, bool) or count < least:
+            raise ValueError(f"Invalid {name}: {count!r} (expected an int >= {least})")
+
+
 class HivemindBackend(GatherStreams, CatchUp, Backend):
     """A ``Backend`` whose workers are hivemind peers; see the module docstring for the protocol."""
 
@@ -114,10 +140,11 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
         startup_timeout_s: float = 30.0,
         dht_kwargs: dict | None = None,
     ):
-        if not isinstance(run_id, str) or not RUN_ID.match(run_id):
-            raise ValueError(f"Invalid run_id: {run_id!r} (1-64 characters of A-Z a-z 0-9 _ . -)")
-        if not step_timeout_s > 0 or not 0 < gather_fraction < VOTE_FRACTION:
-            raise ValueError(f"Invalid step_timeout_s={step_timeout_s} or gather_fraction={gather_fraction}")
+        check_settings(
+            run_id, step_timeout_s=step_timeout_s, gather_fraction=gather_fraction, exclude_s=exclude_s,
+            heartbeat_s=heartbeat_s, ttl_s=ttl_s, max_peers=max_peers, max_state_nbytes=max_state_nbytes,
+            state_timeout_s=state_timeout_s, log_rounds=log_rounds, startup_timeout_s=startup_timeout_s,
+        )
         self.run_id, self.client_mode = run_id, bool(client_mode)
         self.step_timeout_s, self.gather_fraction, self.exclude_s = step_timeout_s, gather_fraction, exclude_s
         self.max_peers, self.max_state_nbytes, self.state_timeout_s = (
@@ -125,7 +152,7 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
             max_state_nbytes,
             state_timeout_s,
         )
-        self.log_rounds = log_rounds
+        self.log_rounds, self.startup_timeout_s = log_rounds, startup_timeout_s
         self.allow_peers = None if allow_peers is None else {str(p) for p in allow_peers}
         self.rank, self.world_size, self.stats = 0, 1, CommStats()
         self.state_lock = threading.RLock()  # hold it around a training step so state snapshots are whole
@@ -136,42 +163,60 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
         self.out_of_sync = False  # set when a round could not be completed like the others did it
         self.last_contributors: list[str] = []
         self._excluded: dict[str, float] = {}
+        self._excluded_lock = threading.Lock()
         self._rounds: dict[int, Round] = {}
         self._finished: set[int] = set()
         self._log: dict[int, list[tuple[str, bytes]]] = {}
         self._low = self._next = 0
-        self._own_dht = dht is None
-        if dht is None:
-            dht = DHT(
+        self._own_dht, self.dht = dht is None, dht
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"hm-backend-{run_id}", daemon=True
+        )
+        self._p2p: P2P | None = None
+        self._protocols = {
+            f"distro/{run_id}/gather": self._on_gather,
+            f"distro/{run_id}/log": self._on_log,
+            f"distro/{run_id}/state": self._on_state,
+        }
+        self._handlers: list[str] = []  # the protocols this backend registered, which close() removes
+        self.membership: Membership | None = None
+        try:
+            self._start(initial_peers, host_maddrs, dht_kwargs, heartbeat_s, ttl_s)
+        except BaseException as exc:
+            self.close()  # a failed start leaves no DHT, daemon handler or thread behind
+            if isinstance(exc, (TimeoutError, concurrent.futures.TimeoutError)):
+                raise HivemindBackendError(
+                    "the DHT or its p2p daemon did not answer within "
+                    f"startup_timeout_s={startup_timeout_s:g}"
+                ) from exc
+            raise
+
+    def _start(self, initial_peers, host_maddrs, dht_kwargs, heartbeat_s: float, ttl_s: float) -> None:
+        """Start the DHT (unless given one), our event loop, p2p client, stream handlers and heartbeats;
+        every wait is bounded by ``startup_timeout_s``."""
+        if self._own_dht:
+            self.dht = DHT(
                 initial_peers=[str(m) for m in initial_peers],
                 host_maddrs=[str(m) for m in host_maddrs],
                 client_mode=self.client_mode,
                 start=False,
                 **dht_options(host_maddrs, dht_kwargs),
             )
-            dht.run_in_background(await_ready=True, timeout=startup_timeout_s)
-        self.dht = dht  # started before our thread: hivemind forks its DHT process
-        self.peer_id = dht.peer_id.to_base58()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"hm-backend-{run_id}", daemon=True
-        )
-        self._thread.start()
+            self.dht.run_in_background(await_ready=True, timeout=self.startup_timeout_s)
+        self._thread.start()  # after the DHT: hivemind forks its DHT process
+        peer_id, daemon_maddr = self._ask_dht(_node_identity)
+        self.peer_id = peer_id.to_base58()
         # our own client of the DHT's p2p daemon, bound to our event loop (dht.replicate_p2p() caches
         # one per DHT, which a second backend on the same DHT must not share)
-        daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
-        self._p2p = self._call(P2P.replicate(daemon_maddr), startup_timeout_s)
-        self._protocols = {
-            f"distro/{run_id}/gather": self._on_gather,
-            f"distro/{run_id}/log": self._on_log,
-            f"distro/{run_id}/state": self._on_state,
-        }
+        self._p2p = self._call(P2P.replicate(daemon_maddr), self.startup_timeout_s)
         if not self.client_mode:
             for name, handler in self._protocols.items():
-                self._call(self._p2p.add_binary_stream_handler(name, handler), startup_timeout_s)
+                self._call(self._p2p.add_binary_stream_handler(name, handler), self.startup_timeout_s)
+                self._handlers.append(name)
         self.membership = Membership(
-            dht,
-            run_id,
+            self.dht,
+            self.run_id,
             self.peer_id,
             client=self.client_mode,
             heartbeat_s=heartbeat_s,
@@ -180,11 +225,21 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
         )
         self.membership.start()
 
+    def _ask_dht(self, coro):
+        """Run ``coro(dht, node)`` in the DHT process; wait at most ``startup_timeout_s`` (a hung DHT
+        process would otherwise block for as long as it hangs)."""
+        return self.dht.run_coroutine(coro, return_future=True).result(timeout=self.startup_timeout_s)
+
     # ----- public API -------------------------------------------------------------------------
     @property
     def visible_maddrs(self) -> list[str]:
         """Multiaddresses others pass as ``initial_peers`` to join this run."""
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        try:
+            return [str(m) for m in self._ask_dht(_visible_maddrs)]
+        except concurrent.futures.TimeoutError:
+            raise HivemindBackendError(
+                f"the DHT did not report its addresses within startup_timeout_s={self.startup_timeout_s:g}"
+            ) from None
 
     @property
     def step(self) -> int:
@@ -222,7 +277,7 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Gather every contributor's bytes and reduce the finite ones in contributor order."""
-        check_reduce_op(op)
+        check_reduce(tensor, op)
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         parts = self.all_gather(flat.view(torch.uint8).clone())
         values = [p.view(tensor.dtype) for p in parts if p.numel() == flat.numel() * flat.element_size()]
@@ -264,15 +319,19 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
         return None if value is None or value == checksum else holders
 
     def close(self) -> None:
-        self.membership.leave()
-        if self._loop.is_running():
+        """Leave the run and release what this backend started (also what a failed start did)."""
+        if self.membership is not None:
+            self.membership.leave()
+        if self._thread.is_alive():
             try:
                 self._call(self._shutdown(), 10)
             except Exception as exc:  # noqa: BLE001 - closing must not raise
                 logger.debug("hivemind backend shutdown: %s", exc)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
-        if self._own_dht:
+        if not self._thread.is_alive():
+            self._loop.close()
+        if self._own_dht and self.dht is not None:
             self.dht.shutdown()
 
     # ----- the round ---------------------------------------------------------------------------
@@ -362,13 +421,13 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
         for r in list(self._rounds.values()):
             for t in r.tasks:
                 t.cancel()
-        if not self.client_mode:
-            for name in self._protocols:
-                try:
-                    await asyncio.wait_for(self._p2p.remove_binary_stream_handler(name), 2)
-                except Exception:  # noqa: BLE001 - the daemon may already be gone
-                    pass
-        await self._p2p.shutdown()  # a replica: closes our client, leaves the DHT's daemon to the DHT
+        for name in self._handlers:  # only ours: another backend on this DHT may serve the same run
+            try:
+                await asyncio.wait_for(self._p2p.remove_binary_stream_handler(name), 2)
+            except Exception:  # noqa: BLE001 - the daemon may already be gone
+                pass
+        if self._p2p is not None:
+            await self._p2p.shutdown()  # a replica: closes our client, leaves the DHT's daemon to the DHT
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in others:
             t.cancel()
@@ -384,8 +443,12 @@ class HivemindBackend(GatherStreams, CatchUp, Backend):
             raise
 
 
-async def _daemon_listen_maddr(_dht, node):
-    return node.p2p.daemon_listen_maddr
+async def _node_identity(_dht, node):
+    return node.peer_id, node.p2p.daemon_listen_maddr
+
+
+async def _visible_maddrs(_dht, node):
+    return await node.get_visible_maddrs()
 
 
 def _short1(peer: str) -> str:

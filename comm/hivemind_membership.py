@@ -41,8 +41,7 @@ class Membership:
         ttl_s: float,
         dht_timeout_s: float,
     ):
-        if not 0 < heartbeat_s < ttl_s:
-            raise ValueError(f"Invalid heartbeat: heartbeat_s={heartbeat_s} must be > 0 and < ttl_s={ttl_s}")
+        check_heartbeat(heartbeat_s, ttl_s)
         self.dht, self.run_id, self.peer_id, self.client = dht, run_id, peer_id, client
         self.heartbeat_s, self.ttl_s, self.dht_timeout_s = heartbeat_s, ttl_s, dht_timeout_s
         self.state = JOINING
@@ -111,6 +110,12 @@ class Membership:
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat is retried on the next beat
             logger.warning("DHT %s failed: %s: %s", fn.__name__, type(exc).__name__, exc)
             return None
+
+
+def check_heartbeat(heartbeat_s: float, ttl_s: float) -> None:
+    """A record must be refreshed before it expires, or live peers would drop out of every view."""
+    if not 0 < heartbeat_s < ttl_s:
+        raise ValueError(f"Invalid heartbeat: heartbeat_s={heartbeat_s} must be > 0 and < ttl_s={ttl_s}")
 
 
 def _parse_record(value) -> PeerRecord | None:

@@ -73,14 +73,17 @@ class GatherStreams:
     def _admissible(self, peer: str) -> bool:
         if self.allow_peers is not None and peer not in self.allow_peers:
             return False
-        return self._excluded.get(peer, 0.0) <= time.monotonic()
+        with self._excluded_lock:
+            return self._excluded.get(peer, 0.0) <= time.monotonic()
 
     def _exclude(self, peer: str, why: str) -> None:
+        # the lock: report_invalid excludes from the training thread, bad streams from the event loop
         logger.warning("excluding peer %s for %.0f s: %s", peer, self.exclude_s, why)
-        now = time.monotonic()
-        for old in [p for p, until in self._excluded.items() if until <= now]:
-            del self._excluded[old]  # strangers can mint identities: keep only live exclusions
-        self._excluded[peer] = now + self.exclude_s
+        with self._excluded_lock:
+            now = time.monotonic()
+            for old in [p for p, until in self._excluded.items() if until <= now]:
+                del self._excluded[old]  # strangers can mint identities: keep only live exclusions
+            self._excluded[peer] = now + self.exclude_s
 
     def _valid(self, data: bytes) -> bool:
         try:
@@ -94,6 +97,11 @@ class GatherStreams:
 
     def _count_received(self, nbytes: int) -> None:
         self.stats.bytes_received += nbytes
+
+    def _answer(self, writer, status: int) -> None:
+        """Write a gather stream's 1-byte status, counted like every other byte of the stream."""
+        self._count_sent(1)
+        writer.write(bytes([status]))
 
     def _spawn_push(self, r: Round, peer: str) -> None:
         r.pushed.add(peer)
@@ -144,11 +152,12 @@ class GatherStreams:
         async def recv():
             try:
                 (n,) = wire.U64.unpack(await reader.readexactly(wire.U64.size))
+                self._count_received(wire.U64.size)
                 if n != len(r.own):
                     self._exclude(peer, f"payload of {n} bytes where {len(r.own)} were expected")
                     return
                 data = await reader.readexactly(n)
-                self._count_received(wire.U64.size + n)
+                self._count_received(n)
                 if r.phase1.is_set():
                     return  # arrived after the gather phase: too late for this step
                 if self.payload_validator is not None and not await asyncio.to_thread(self._valid, data):
@@ -173,35 +182,33 @@ class GatherStreams:
         registered = None  # the round this stream speaks for, once it is the peer's only stream there
         try:
             hello = await asyncio.wait_for(reader.readexactly(wire.HELLO.size), self.step_timeout_s)
+            self._count_received(wire.HELLO.size)
             magic, version, flags, step, nbytes = wire.HELLO.unpack(hello)
-            received = wire.HELLO.size
             if magic != wire.GATHER_MAGIC or version != wire.VERSION:
                 return
             if not self._admissible(peer) or step > self._next + LOOKAHEAD_STEPS:
-                writer.write(bytes([wire.REJECTED]))
+                self._answer(writer, wire.REJECTED)
                 return
             if self._is_late(step):
-                writer.write(bytes([wire.LATE]))
+                self._answer(writer, wire.LATE)
                 return
             r = self._round(step)
             if peer in r.streams or len(r.streams) >= self.max_peers:
-                writer.write(bytes([wire.REJECTED]))
+                self._answer(writer, wire.REJECTED)
                 return
             r.streams.add(peer)
             registered = r
             r.tasks.add(task)
-            self._count_received(received)
             # the expected size is this peer's own payload size: wait (bounded) until we have ours
             await asyncio.wait_for(r.own_ready.wait(), self.step_timeout_s)
             if nbytes != len(r.own):
                 self._exclude(peer, f"announced a payload of {nbytes} bytes where {len(r.own)} were expected")
-                writer.write(bytes([wire.BAD_SIZE]))
+                self._answer(writer, wire.BAD_SIZE)
                 return
             if r.phase1.is_set():
-                writer.write(bytes([wire.LATE]))
+                self._answer(writer, wire.LATE)
                 return
-            writer.write(bytes([wire.OK]))
-            self._count_sent(1)
+            self._answer(writer, wire.OK)
             reply = bool(flags & wire.FLAG_REPLY)
             if not reply and not self.client_mode and peer not in r.pushed:
                 self._spawn_push(r, peer)  # a peer we did not know yet (just joined): answer it too

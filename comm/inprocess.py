@@ -1,7 +1,10 @@
 """Simulated workers in one process: each worker is a thread, and the collectives block like real ones.
 
 Used by tests and experiments to run N workers on one machine with the exact arithmetic of a real
-run (buffers are copied on send, results are reduced in rank order on every worker).
+run (buffers are copied on send and again for each receiver, so no two workers share memory;
+results are reduced in rank order on every worker). Calls that a real group could not match (an
+all_gather meeting an all_reduce, all_reduce tensors of different shapes or dtypes) raise the same
+``ValueError`` on every worker.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce_op
+from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -32,6 +35,7 @@ class _Exchange:
         self._aborted: str | None = None
 
     def deposit(self, round_id: int, rank: int, item) -> None:
+        """Leave this rank's item for round ``round_id``; items are shared by every reader, never written."""
         with self._cond:
             self._raise_if_aborted()
             slots = self._slots.setdefault(round_id, [None] * self.world_size)
@@ -50,7 +54,7 @@ class _Exchange:
                 slots = self._slots.get(round_id, [None] * self.world_size)
                 missing = [r for r, x in enumerate(slots) if x is None]
                 raise InProcessGroupError(
-                    f"collective #{round_id} timed out after {self.timeout_s:.0f} s "
+                    f"collective #{round_id} timed out after {self.timeout_s:g} s "
                     f"waiting for ranks {missing}"
                 )
             items = list(self._slots[round_id])
@@ -90,17 +94,35 @@ class InProcessBackend(Backend):
         exchange = _Exchange(world_size, timeout_s)
         return [cls(exchange, r) for r in range(world_size)]
 
-    def _next_round(self) -> int:
+    def _deposit(self, call: str, item) -> int:
+        """Start the next round with this worker's ``item``; ``call`` says what this worker called."""
         self._round += 1
+        self._exchange.deposit(self._round, self.rank, (call, item))
         return self._round
+
+    def _collect(self, round_id: int) -> list:
+        """Every worker's item of the round, once all arrived, if every worker made the same call.
+
+        Every worker sees every call, so they all raise the same error: none is left waiting, where a
+        real group would return garbage or abort the process (see torch_backend).
+        """
+        deposits = self._exchange.collect(round_id)
+        calls = [call for call, _ in deposits]
+        if len(set(calls)) > 1:
+            raise ValueError(
+                f"collective #{round_id} differs across workers: "
+                + ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+                + ". Every worker must make the same calls, with tensors of the same shape and dtype."
+            )
+        return [item for _, item in deposits]
 
     def start_all_gather(self, buf: torch.Tensor) -> PendingGather:
         check_buffer(buf)
-        round_id = self._next_round()
-        self._exchange.deposit(round_id, self.rank, buf.detach().clone())
+        round_id = self._deposit("all_gather", buf.detach().clone())
 
         def finish():
-            bufs = self._exchange.collect(round_id)
+            # each receiver gets its own copies, as from a real network: decoding in place is safe
+            bufs = [b.clone() for b in self._collect(round_id)]
             received = sum(b.numel() for i, b in enumerate(bufs) if i != self.rank)
             self.stats.record(CommStats.all_gather_bytes(buf.numel(), self.world_size), received)
             return bufs
@@ -111,10 +133,9 @@ class InProcessBackend(Backend):
         return self.start_all_gather(buf).wait()
 
     def all_reduce(self, tensor, op="mean"):
-        check_reduce_op(op)
-        round_id = self._next_round()
-        self._exchange.deposit(round_id, self.rank, tensor.detach().clone())
-        parts = self._exchange.collect(round_id)
+        check_reduce(tensor, op)
+        call = f"all_reduce(op={op!r}) of a {tensor.dtype} tensor of shape {tuple(tensor.shape)}"
+        parts = self._collect(self._deposit(call, tensor.detach().clone()))
         total = parts[0].clone()
         for p in parts[1:]:  # rank order on every worker: identical results everywhere
             total.add_(p)

@@ -14,6 +14,17 @@ this way (its first gather carries the lengths only). The 8 bytes per rank and s
 Measured with Gloo, an all-gather of unequal buffers gave the rank with the larger buffer
 misaligned bytes and killed the other with a C++ ``terminate``.
 
+All-reduce. Gloo does not check that ranks reduce tensors of the same size and dtype either
+(measured: 3 against 4 floats gave one rank a plausible sum and left the other waiting; 1000
+against 1001 floats, or float32 against float64, killed both with a C++ ``terminate``). So before
+the first reduce the ranks agree on the tensor's dtype and shape, by all-gathering a 64-byte text
+descriptor. Every reduce then carries one extra element, a flag: a rank whose tensor is not the
+agreed one sends zeros of the agreed size with the flag set. Every rank sees the flag sum, so all
+go back to the agreement together, which raises the same ``ValueError`` on every rank when the
+tensors differ, or agrees on the new shape when every rank changed it. The common case costs one
+element and a copy, no second collective; the descriptor bytes are counted in ``stats``. On any
+failure the caller's tensor is left as it was.
+
 Timeouts. A process group's timeout is fixed by ``dist.init_process_group(timeout=...)``; a
 backend cannot change it. ``timeout_s`` bounds each wait of this backend on top of it
 (``Work.wait(timeout)``), so a hung peer makes the others fail after ``timeout_s`` (or sooner if
@@ -26,15 +37,17 @@ arrive.
 from __future__ import annotations
 
 import datetime
+import hashlib
 
 import torch
 import torch.distributed as dist
 
-from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce_op
+from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce
 
 # int64 payload length in front of each rank's payload, in native byte order (all ranks of one
 # job share an architecture; a mixed-endian group would see absurd lengths and raise).
 HEADER_BYTES = 8
+DESCRIPTOR_BYTES = 64  # an all_reduce tensor's dtype and shape, as text (see the module docstring)
 
 
 class CollectiveError(RuntimeError):
@@ -71,6 +84,7 @@ class TorchDistributedBackend(Backend):
         self._backend_name = str(dist.get_backend(group)).lower()
         self.stats = CommStats()
         self._capacity = 0  # payload bytes per rank the whole group agreed on; 0 until the first call
+        self._reduce_agreed = None  # (descriptor, numel, dtype) of the last all_reduce all ranks agreed on
 
     @property
     def rank(self) -> int:
@@ -114,12 +128,12 @@ class TorchDistributedBackend(Backend):
             frame[HEADER_BYTES:].zero_()
         return frame
 
-    def _launch(self, frame: torch.Tensor):
+    def _launch(self, frame: torch.Tensor, what: str = "all_gather"):
         out = torch.empty(self._world_size * frame.numel(), dtype=torch.uint8, device=frame.device)
         try:
             work = _all_gather_fn()(out, frame, group=self.group, async_op=True)
         except RuntimeError as exc:
-            raise self._error("all_gather", exc) from exc
+            raise self._error(what, exc) from exc
         return out, work
 
     def _finish(self, buf, device, capacity, out, work) -> list[torch.Tensor]:
@@ -128,12 +142,10 @@ class TorchDistributedBackend(Backend):
         lengths = self._lengths(out, capacity)
         if any(n != capacity for n in lengths):
             if len(set(lengths)) > 1:
-                self.stats.record(nbytes, nbytes)
-                raise ValueError(
-                    "all_gather buffers differ in size across ranks: "
-                    + ", ".join(f"rank {r}: {n} bytes" for r, n in enumerate(lengths))
-                    + f" (seen by rank {self._rank}). Every rank must send the same number of bytes; "
-                    "do all ranks hold the same model and optimizer settings?"
+                self._refuse(
+                    nbytes, "all_gather buffers differ in size", [f"{n} bytes" for n in lengths],
+                    "Every rank must send the same number of bytes; do all ranks hold the same model "
+                    "and optimizer settings?",
                 )
             # Every rank announced the same new size: agree on it and send the payloads now.
             capacity = self._capacity = lengths[0]
@@ -147,6 +159,15 @@ class TorchDistributedBackend(Backend):
         rows = out.view(self._world_size, HEADER_BYTES + capacity)[:, HEADER_BYTES:]
         return list(rows.unbind(0))
 
+    def _refuse(self, nbytes: int, what: str, seen: list[str], advice: str):
+        """Count the bytes that crossed, then raise the ValueError every rank raises alike, naming
+        what each rank had."""
+        self.stats.record(nbytes, nbytes)
+        raise ValueError(
+            f"{what} across ranks: " + ", ".join(f"rank {r}: {x}" for r, x in enumerate(seen))
+            + f" (seen by rank {self._rank}). {advice}"
+        )
+
     def _lengths(self, out: torch.Tensor, capacity: int) -> list[int]:
         headers = out.view(self._world_size, HEADER_BYTES + capacity)[:, :HEADER_BYTES]
         # A fresh aligned copy: an int64 view needs 8-byte aligned rows, the payloads are any size.
@@ -156,22 +177,59 @@ class TorchDistributedBackend(Backend):
     # -- all-reduce, barrier -------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce in place (sum, then divide for the mean: every backend supports SUM)."""
-        check_reduce_op(op)
+        """Reduce in place (sum, then divide for the mean: every backend supports SUM).
+
+        Every rank takes the same path: all start unagreed, and all see the same flag sum and the
+        same descriptors, so none is left in a collective the others skipped.
+        """
+        check_reduce(tensor, op)
         device = self.device_for(tensor)
-        work_tensor = tensor if tensor.device == device else tensor.to(device)
+        descriptor = _reduce_descriptor(tensor)
+        frame, nbytes = None, 0
+        if self._reduce_agreed is not None:
+            frame, nbytes = self._reduce_frame(tensor, descriptor, device)
+        if frame is None or frame[-1].item() != 0:  # first call, or a rank's tensor is not the agreed one
+            seen, sent = self._gather_descriptors(descriptor, device)
+            nbytes += sent
+            if len(set(seen)) > 1:
+                self._refuse(
+                    nbytes, "all_reduce tensors differ", seen,
+                    "Every rank must reduce a tensor of the same shape and dtype.",
+                )
+            self._reduce_agreed = (descriptor, tensor.numel(), tensor.dtype)
+            frame, sent = self._reduce_frame(tensor, descriptor, device)
+            nbytes += sent
+        self.stats.record(nbytes, nbytes)
+        result = frame[:-1]
+        if op == "mean":
+            result.div_(self._world_size)
+        tensor.copy_(result.view(tensor.shape))
+        return tensor
+
+    def _reduce_frame(self, tensor, descriptor: bytes, device) -> tuple[torch.Tensor, int]:
+        """Sum the agreed frame: the tensor (zeros if it is not the agreed one), then the flag."""
+        agreed, numel, dtype = self._reduce_agreed
+        frame = torch.zeros(numel + 1, dtype=dtype, device=device)
+        if descriptor == agreed:
+            frame[:-1].copy_(tensor.reshape(-1))
+        else:
+            frame[-1] = 1
         try:
-            work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = dist.all_reduce(frame, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         except RuntimeError as exc:
             raise self._error("all_reduce", exc) from exc
         self._wait(work, "all_reduce")
-        if op == "mean":
-            work_tensor.div_(self._world_size)
-        if work_tensor is not tensor:
-            tensor.copy_(work_tensor)
-        nbytes = CommStats.ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), self._world_size)
-        self.stats.record(nbytes, nbytes)
-        return tensor
+        nbytes = frame.numel() * frame.element_size()
+        return frame, CommStats.ring_all_reduce_bytes(nbytes, self._world_size)
+
+    def _gather_descriptors(self, descriptor: bytes, device) -> tuple[list[str], int]:
+        """Every rank's all_reduce descriptor, in rank order, and the bytes this rank sent for it."""
+        mine = torch.frombuffer(bytearray(descriptor), dtype=torch.uint8).to(device)
+        out, work = self._launch(mine, "all_reduce")
+        self._wait(work, "all_reduce")
+        rows = out.cpu().view(self._world_size, DESCRIPTOR_BYTES)
+        seen = [bytes(row.tolist()).rstrip(b"\0").decode("ascii", "replace") for row in rows]
+        return seen, CommStats.all_gather_bytes(DESCRIPTOR_BYTES, self._world_size)
 
     def barrier(self) -> None:
         """Wait for every rank, bounded by ``timeout_s``; on Gloo the error names the missing ranks."""
@@ -210,3 +268,11 @@ class TorchDistributedBackend(Backend):
             "process group cannot be used any more (destroy_process_group may block too): exit and "
             "restart the job from the last checkpoint."
         )
+
+
+def _reduce_descriptor(tensor: torch.Tensor) -> bytes:
+    """What all ranks' all_reduce tensors must share, as fixed-size text the error message shows."""
+    text = f"{tensor.dtype} of shape {tuple(tensor.shape)}"
+    if len(text) > DESCRIPTOR_BYTES:  # a shape of many dimensions: its digest still tells it apart
+        text = f"{tensor.dtype} of shape #{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
+    return text.encode("ascii").ljust(DESCRIPTOR_BYTES, b"\0")

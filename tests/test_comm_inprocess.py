@@ -1,5 +1,6 @@
 """In-process workers: collectives block like real ones, count bytes by the documented rules."""
 import importlib
+import threading
 import time
 
 import pytest
@@ -81,3 +82,88 @@ def test_jupyter_comm_and_distro_opt_comm_coexist():
     assert hasattr(jupyter_comm, "create_comm")  # Jupyter's package, not ours
     assert ours.InProcessBackend is InProcessBackend
     assert jupyter_comm is not ours
+
+
+def test_all_gather_gives_each_worker_its_own_copy_of_every_buffer():
+    turns = threading.Barrier(3, timeout=10)
+
+    def worker(backend):
+        bufs = backend.all_gather(torch.full((4,), backend.rank + 1, dtype=torch.uint8))
+        turns.wait()
+        if backend.rank == 0:
+            for b in bufs:
+                b.zero_()  # decoding in place must not reach the other workers' results
+        turns.wait()
+        return [b.tolist() for b in bufs]
+
+    results = InProcessBackend.run(3, worker, timeout_s=10)
+    assert results[1] == results[2] == [[1] * 4, [2] * 4, [3] * 4]
+
+
+def test_single_worker_all_gather_returns_a_copy_of_the_buffer():
+    buf = torch.full((4,), 5, dtype=torch.uint8)
+    (received,) = SingleWorkerBackend().all_gather(buf)
+    buf.zero_()  # the caller reuses its send buffer
+    assert received.tolist() == [5, 5, 5, 5]
+
+
+def outcomes(world_size, fn, timeout_s=10):
+    """Run ``fn(backend)`` on every worker; return what it returned or the ValueError it raised."""
+
+    def worker(backend):
+        try:
+            return fn(backend)
+        except ValueError as exc:
+            return exc
+
+    return InProcessBackend.run(world_size, worker, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize(
+    "tensors,described",
+    [
+        ([torch.ones(3), torch.ones(1)], ["float32 tensor of shape (3,)", "float32 tensor of shape (1,)"]),
+        ([torch.ones(2), torch.ones(2, dtype=torch.int64)], ["float32", "int64"]),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_all_reduce_of_different_tensors_raises_the_same_error_on_every_worker(tensors, described):
+    inputs = [t.clone() for t in tensors]
+    start = time.monotonic()
+    results = outcomes(2, lambda backend: backend.all_reduce(inputs[backend.rank], op="sum"))
+    assert time.monotonic() - start < 5  # nobody waited for the timeout
+    assert all(isinstance(r, ValueError) for r in results), results
+    assert str(results[0]) == str(results[1])
+    assert f"rank 0: all_reduce(op='sum') of a torch.{described[0]}" in str(results[0])
+    assert f"rank 1: all_reduce(op='sum') of a torch.{described[1]}" in str(results[0])
+    assert all(torch.equal(i, t) for i, t in zip(inputs, tensors))  # left as they were
+
+
+def test_all_gather_meeting_an_all_reduce_raises_the_same_error_on_every_worker():
+    def worker(backend):
+        if backend.rank == 0:
+            return backend.all_gather(torch.full((2,), 7, dtype=torch.uint8))
+        return backend.all_reduce(torch.ones(2), op="sum")
+
+    results = outcomes(2, worker)
+    assert all(isinstance(r, ValueError) for r in results), results
+    assert str(results[0]) == str(results[1])
+    assert "collective #1" in str(results[0])
+    assert "rank 0: all_gather, rank 1: all_reduce(op='sum')" in str(results[0])
+
+
+@pytest.mark.parametrize("make", [SingleWorkerBackend, lambda: InProcessBackend.create(1)[0]],
+                         ids=["single", "in-process"])
+def test_all_reduce_mean_of_an_integer_tensor_is_refused_before_anything_is_sent(make):
+    backend = make()
+    t = torch.tensor([3, 10])
+    with pytest.raises(ValueError, match=r"op='mean' of a torch.int64 tensor.*op='sum'"):
+        backend.all_reduce(t, op="mean")
+    assert t.tolist() == [3, 10]
+    assert backend.stats.steps == 0
+
+
+def test_timeout_message_shows_sub_second_timeouts():
+    backend = InProcessBackend.create(2, timeout_s=0.3)[0]
+    with pytest.raises(InProcessGroupError, match=r"timed out after 0\.3 s"):
+        backend.all_reduce(torch.zeros(1))

@@ -1,6 +1,11 @@
 """HivemindBackend with raw buffers: peers in one process, each with its own DHT, all on 127.0.0.1."""
 
 import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -13,8 +18,8 @@ hivemind = pytest.importorskip("hivemind")
 
 from hivemind.p2p import PeerID  # noqa: E402
 
-from distro_opt.comm import hivemind_wire as wire  # noqa: E402
-from distro_opt.comm.hivemind_backend import HivemindBackend, dht_options  # noqa: E402
+from distro_opt.comm import hivemind_backend, hivemind_wire as wire  # noqa: E402
+from distro_opt.comm.hivemind_backend import HivemindBackend, HivemindBackendError, dht_options  # noqa: E402
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 STEP_TIMEOUT_S = 2.0
@@ -270,3 +275,129 @@ def test_overlapped_gathers_finish_as_separate_steps(dhts):
             t.join(3 * STEP_TIMEOUT_S + 5)
         assert results == [[[10, 11], [20, 21]]] * 2
         assert a.step == b.step == 2
+
+
+def test_all_reduce_mean_of_an_integer_tensor_is_refused_before_anything_is_sent(dhts):
+    with group(dhts, n=1) as (a,):
+        t = torch.tensor([3, 10])
+        with pytest.raises(ValueError, match="op='mean' of a torch.int64 tensor"):
+            a.all_reduce(t, op="mean")
+        assert t.tolist() == [3, 10] and a.step == 0
+
+
+def test_a_rejected_stream_counts_its_hello_and_status_on_the_receiving_side(dhts):
+    with group(dhts, n=2) as (a, b):
+
+        async def hello_far_ahead():
+            _, reader, writer = await raw_gather_stream(b, a)
+            writer.write(wire.HELLO.pack(wire.GATHER_MAGIC, wire.VERSION, 0, 100, 1000))
+            status = (await asyncio.wait_for(reader.readexactly(1), 5))[0]
+            writer.close()
+            return status
+
+        sent, received = a.stats.bytes_sent, a.stats.bytes_received
+        assert b._call(hello_far_ahead(), 10) == wire.REJECTED
+        assert a.stats.bytes_received - received == wire.HELLO.size
+        assert a.stats.bytes_sent - sent == 1
+
+
+def test_exclusions_from_the_training_thread_and_the_event_loop_do_not_race(dhts, caplog):
+    caplog.set_level(logging.ERROR)  # one warning per exclusion: thousands here
+    with group(dhts, n=1) as (a,):
+        stop = time.monotonic() + 1.0
+        errors = []
+
+        async def exclude_on_the_loop():  # what a bad payload does, on the backend's event loop
+            i = 0
+            while time.monotonic() < stop:
+                a._exclude(f"loop{i}", "bad size")
+                i += 1
+                if i % 100 == 0:
+                    await asyncio.sleep(0)
+
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads often: make the race show within a second
+        try:
+            future = asyncio.run_coroutine_threadsafe(exclude_on_the_loop(), a._loop)
+            i = 0
+            while time.monotonic() < stop:
+                try:
+                    a.report_invalid(f"train{i}")  # what the optimizer does on the training thread
+                except RuntimeError as exc:
+                    errors.append(exc)
+                    break
+                i += 1
+            future.result(timeout=10)
+        finally:
+            sys.setswitchinterval(switch)
+        assert errors == []
+
+
+def new_threads_and_processes(before):
+    threads, children = before
+    return (
+        [t.name for t in threading.enumerate() if t not in threads and t.is_alive()],
+        [c.name for c in multiprocessing.active_children() if c not in children],
+    )
+
+
+def snapshot():
+    return set(threading.enumerate()), set(multiprocessing.active_children())
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(heartbeat_s=5.0, ttl_s=4.0), "heartbeat_s=5.0 must be > 0 and < ttl_s=4.0"),
+        (dict(exclude_s=-1.0), "Invalid exclude_s: -1.0"),
+        (dict(max_peers=0), "Invalid max_peers: 0"),
+        (dict(log_rounds=0), "Invalid log_rounds: 0"),
+        (dict(max_state_nbytes=-1), "Invalid max_state_nbytes: -1"),
+        (dict(state_timeout_s=0.0), "Invalid state_timeout_s: 0.0"),
+        (dict(startup_timeout_s=0.0), "Invalid startup_timeout_s: 0.0"),
+    ],
+)
+def test_invalid_settings_are_refused_before_anything_starts(kwargs, message):
+    before = snapshot()
+    with pytest.raises(ValueError, match=message):
+        HivemindBackend(f"t{uuid.uuid4().hex[:10]}", **kwargs)
+    assert new_threads_and_processes(before) == ([], [])
+
+
+def fail_after_the_handlers_are_added(monkeypatch):
+    def refuse(self):
+        raise RuntimeError("membership could not start")
+
+    monkeypatch.setattr(hivemind_backend.Membership, "start", refuse)
+
+
+def test_a_failed_start_on_a_shared_dht_leaves_the_run_free_for_a_retry(dhts, monkeypatch):
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    fail_after_the_handlers_are_added(monkeypatch)
+    before = snapshot()
+    with pytest.raises(RuntimeError, match="membership could not start"):
+        HivemindBackend(run_id, dht=dhts[0], heartbeat_s=0.3, ttl_s=1.5)
+    assert new_threads_and_processes(before) == ([], [])
+    monkeypatch.undo()
+    HivemindBackend(run_id, dht=dhts[0], heartbeat_s=0.3, ttl_s=1.5).close()  # its stream handlers are free
+
+
+def test_a_failed_start_shuts_down_the_dht_it_started(monkeypatch):
+    fail_after_the_handlers_are_added(monkeypatch)
+    before = snapshot()
+    with pytest.raises(RuntimeError, match="membership could not start"):
+        HivemindBackend(f"t{uuid.uuid4().hex[:10]}", heartbeat_s=0.3, ttl_s=1.5)
+    assert new_threads_and_processes(before) == ([], [])
+
+
+def test_start_gives_up_after_startup_timeout_s_when_the_dht_does_not_answer():
+    dht = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], **dht_options([LOOPBACK], None))
+    os.kill(dht.pid, signal.SIGSTOP)  # alive but unresponsive, like a hung DHT process
+    try:
+        start = time.monotonic()
+        with pytest.raises(HivemindBackendError, match="startup_timeout_s=1"):
+            HivemindBackend(f"t{uuid.uuid4().hex[:10]}", dht=dht, startup_timeout_s=1.0)
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(dht.pid, signal.SIGCONT)
+        dht.shutdown()

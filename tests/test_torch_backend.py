@@ -18,13 +18,16 @@ import torch
 from distro_opt.experiments.process_group import one_machine_env
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
+SELF = Path(__file__)  # a rank that also knows the scenarios at the end of this file
 HEADER_BYTES = 8
+DESCRIPTOR_BYTES = 64  # what ranks send to agree on an all_reduce tensor's shape and dtype
 
 
-def launch(jobs, world_size, tmp_path, timeout_s=60.0, wait_ranks=None, dist_backend="gloo"):
+def launch(jobs, world_size, tmp_path, timeout_s=60.0, wait_ranks=None, dist_backend="gloo", worker=WORKER):
     """Run ``world_size`` ranks doing ``jobs`` ([name, scenario, args] each, in order); wait for
     ``wait_ranks`` (default all) and kill the rest. Returns ``(results, returncodes)``: results[r] is
-    what rank r saved, ``{name: result}`` (None if it saved nothing)."""
+    what rank r saved, ``{name: result}`` (None if it saved nothing). ``worker``: the script each rank
+    runs (this file runs as one for the scenarios at its end)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TEST_DIST_BACKEND=dist_backend)
     procs, logs = [], []
     try:
@@ -32,7 +35,7 @@ def launch(jobs, world_size, tmp_path, timeout_s=60.0, wait_ranks=None, dist_bac
             log = open(tmp_path / f"log{r}.txt", "w")
             logs.append(log)
             procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), str(tmp_path), json.dumps(jobs, default=str)],
+                [sys.executable, str(worker), str(tmp_path), json.dumps(jobs, default=str)],
                 env={**env, **one_machine_env(r, world_size, tmp_path / "rendezvous")},  # no TCP store
                 stdout=log, stderr=subprocess.STDOUT,
             ))
@@ -138,11 +141,14 @@ def test_rank_and_world_size_come_from_the_group(three_ranks):
 
 def test_stats_count_payload_header_and_size_agreement(three_ranks):
     # First gather: an 8-byte size announcement, then the 5-byte payload framed with its length;
-    # then two more framed gathers; then all-reduces of 8 and 4 bytes (ring convention).
-    # Each frame goes to 2 peers; ring all-reduce sends ceil(2 * 2/3 * S) bytes: 11 for 8, 6 for 4.
+    # then two more framed gathers. Each frame goes to 2 peers.
     gathers = HEADER_BYTES + 3 * (HEADER_BYTES + 5)
+    # First all-reduce: the ranks agree on its descriptor (sent to 2 peers), then reduce 2 floats
+    # and the flag (12 bytes; ring: ceil(2 * 2/3 * 12) = 16). The second, of 1 float: the agreed
+    # frame goes out flagged (16), the ranks agree anew, then reduce 1 float and the flag (8 bytes: 11).
+    reduces = (2 * DESCRIPTOR_BYTES + 16) + (16 + 2 * DESCRIPTOR_BYTES + 11)
     for res in job(three_ranks, "raw"):
-        assert res["bytes_sent"] == 2 * gathers + 11 + 6
+        assert res["bytes_sent"] == 2 * gathers + reduces
         assert res["steps"] == 5
 
 
@@ -178,6 +184,44 @@ def test_all_ranks_changing_size_together_is_agreed_and_delivered(two_ranks):
     for res in job(two_ranks, "sizes"):
         assert res["calls"][3]["ok"] == [pattern(20, r, 3) for r in range(2)]
         assert res["calls"][4]["ok"] == [pattern(20, r, 4) for r in range(2)]
+
+
+# -- all-reduce agreement ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reduce_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reduce")
+    jobs = [["reduce", "reduce_agreement", []]]
+    return job(expect_success(*launch(jobs, 2, tmp, timeout_s=60, worker=SELF), tmp), "reduce")
+
+
+def test_all_reduce_of_different_sizes_raises_the_same_error_on_every_rank(reduce_ranks):
+    for res in reduce_ranks:
+        assert res["size"]["error_type"] == "ValueError", res["size"]
+        shapes = "rank 0: torch.float32 of shape (3,), rank 1: torch.float32 of shape (4,)"
+        assert shapes in res["size"]["error"]
+
+
+def test_all_reduce_of_different_dtypes_raises_the_same_error_on_every_rank(reduce_ranks):
+    for res in reduce_ranks:
+        assert res["dtype"]["error_type"] == "ValueError", res["dtype"]
+        dtypes = "rank 0: torch.float32 of shape (3,), rank 1: torch.float64 of shape (3,)"
+        assert dtypes in res["dtype"]["error"]
+
+
+def test_all_reduce_after_a_refused_call_agrees_on_the_new_shape_and_reduces(reduce_ranks):
+    for res in reduce_ranks:
+        assert res["agreed"] == {"ok": [2.0, 2.0, 2.0]}
+        assert res["resized"] == {"ok": [1.5] * 5}
+
+
+def test_all_reduce_mean_of_an_integer_tensor_is_refused_before_anything_is_sent(reduce_ranks):
+    for rank, res in enumerate(reduce_ranks):
+        assert res["int_mean"]["error_type"] == "ValueError", res["int_mean"]
+        assert "op='mean' of a torch.int64 tensor" in res["int_mean"]["error"]
+        assert res["int_mean_left"] == [rank + 1, 10]
+        assert res["int_mean_stats"] == [0, 0]
 
 
 # -- bytes seen by the OS ------------------------------------------------------------------------
@@ -408,3 +452,39 @@ def test_nccl_training_is_identical_across_ranks_and_learns(tmp_path):
     for res in job(results, "train"):
         assert_bitwise_equal(res["params"], results[0]["train"]["params"])
         assert res["eval_loss"] < res["eval_loss_start"]
+
+
+# -- scenarios only these tests use: ``python tests/test_torch_backend.py OUTDIR JOBS`` is a rank -----
+
+
+def attempt(fn) -> dict:
+    """What ``fn()`` returned, or which exception it raised (any type: the test names the right one)."""
+    try:
+        return {"ok": fn()}
+    except Exception as exc:  # noqa: BLE001
+        return {"error_type": type(exc).__name__, "error": str(exc)}
+
+
+def scenario_reduce_agreement(rank, world_size, args):
+    """all_reduce calls the ranks disagree on (each refused on every rank), then calls they agree on."""
+    from distro_opt.comm.torch_backend import TorchDistributedBackend
+
+    backend = TorchDistributedBackend(timeout_s=10)
+    res = {"agreed": attempt(lambda: backend.all_reduce(torch.ones(3), "sum").tolist())}
+    res["size"] = attempt(lambda: backend.all_reduce(torch.ones(3 + rank), "sum").tolist())
+    dtype = torch.float64 if rank == 1 else torch.float32
+    res["dtype"] = attempt(lambda: backend.all_reduce(torch.ones(3, dtype=dtype), "sum").tolist())
+    res["resized"] = attempt(lambda: backend.all_reduce(torch.full((5,), float(rank + 1)), "mean").tolist())
+    stats = backend.stats.bytes_sent, backend.stats.steps
+    ints = torch.tensor([rank + 1, 10])
+    res["int_mean"] = attempt(lambda: backend.all_reduce(ints, "mean").tolist())
+    res["int_mean_left"] = ints.tolist()
+    res["int_mean_stats"] = [backend.stats.bytes_sent - stats[0], backend.stats.steps - stats[1]]
+    return res
+
+
+if __name__ == "__main__":
+    import _dist_worker
+
+    _dist_worker.SCENARIOS["reduce_agreement"] = scenario_reduce_agreement
+    _dist_worker.main()
