@@ -3,7 +3,9 @@
 Syntax: arms are comma-separated; an arm is ``kind`` or ``kind:key=value,key=value``
 (``adamw``, ``distro``, ``demo``, ``distro:topk=8,bits=2``). A comma followed by ``key=value`` continues
 the previous arm's options. Keys are the optimizer's keyword arguments, or the short names in
-``ALIASES``. Unknown kinds and options are errors, so a typo never silently runs the default.
+``ALIASES``. Unknown kinds and options are errors, so a typo never silently runs the default. A value
+is read as the type of the optimizer's parameter (a boolean as true/false, yes/no, on/off or 1/0, as
+the preset flags take it); one that does not fit is an error too.
 
 Per-parameter-kind settings: ``PART.key=value`` sets a param-group hyperparameter (lr, update,
 topk, bits, ...) for one kind of parameter only, e.g. ``distro:embed.update=adam,norm.lr=0.0003``.
@@ -13,14 +15,19 @@ gains, biases) or ``matrix`` (the rest); each kind becomes its own param group.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 
 import torch
 
 from distro_opt import DeMo, DisTrOAdamW
 from distro_opt.comm import SingleWorkerBackend
+
+from .cli import BOOL_WORDS
 
 ALIASES = {
     "topk": "compression_topk",
@@ -68,16 +75,45 @@ def param_part(name: str, p: torch.Tensor) -> str:
     return "norm" if p.dim() <= 1 else "matrix"
 
 
-def _parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
+def _option_type(kind: str, name: str):
+    """The type an option's value must have (bool, int, float or str), from the optimizer's annotation;
+    None when it names no single one of these (betas, inner_optimizer): such values are guessed."""
+    hint = typing.get_type_hints(_optimizer_class(kind).__init__).get(name)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    choices = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+    if float in choices:  # torch's ``lr: float | Tensor``
+        return float
+    return choices[0] if len(choices) == 1 and choices[0] in (bool, int, float, str) else None
+
+
+def _guess_value(text: str):
+    """For options with no single scalar type (betas, inner_optimizer): the value as it looks, left to
+    the optimizer's own checks in ``check_arm``."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for cast in (int, float):
         try:
             return cast(text)
         except ValueError:
             pass
     return text
+
+
+def _parse_value(text: str, kind: str, name: str, label: str):
+    """``text`` as the option's type. A boolean takes the words the preset flags take (yes/no, on/off,
+    ...): any other word would otherwise stay a non-empty string, which is true, and turn it on."""
+    want = _option_type(kind, name)
+    if want is None:
+        return _guess_value(text)
+    if want is bool and text.lower() in BOOL_WORDS:
+        return BOOL_WORDS[text.lower()]
+    if want in (int, float):
+        with contextlib.suppress(ValueError):
+            return want(text)
+    if want is str:
+        return text
+    expected = {bool: "true/false, yes/no, on/off or 1/0", int: "an integer", float: "a number"}[want]
+    raise ValueError(f"Invalid value {text!r} for option {name!r} of arm {label!r} (expected {expected})")
 
 
 def parse_arms(text: str) -> list[Arm]:
@@ -96,7 +132,21 @@ def parse_arms(text: str) -> list[Arm]:
     labels = [a.label for a in arms]
     if len(set(labels)) != len(labels):
         raise ValueError(f"Invalid arms {text!r}: an arm is listed twice")
+    _check_distinct_files(arms)
     return arms
+
+
+def _check_distinct_files(arms: list[Arm]) -> None:
+    """Results and checkpoints are named by slug: two arms with one slug would share them, and the
+    second would be skipped as already finished. Compared case-blind, as some file systems do."""
+    seen: dict[str, Arm] = {}
+    for arm in arms:
+        other = seen.setdefault(arm.slug.lower(), arm)
+        if other is not arm:
+            raise ValueError(
+                f"Invalid arms: {other.label!r} and {arm.label!r} would share result files "
+                f"({arm.slug}-seed*); write one of them differently"
+            )
 
 
 def _parse_arm(label: str) -> Arm:
@@ -119,7 +169,7 @@ def _parse_arm(label: str) -> Arm:
                     f"Unknown per-kind option {key!r} for arm {kind!r} (expected PART.key with PART in "
                     f"{', '.join(PARTS)} and key one of {', '.join(sorted(keys))})"
                 )
-            options[f"{part}.{name}"] = _parse_value(value)
+            options[f"{part}.{name}"] = _parse_value(value, kind, name, label)
             continue
         name = ALIASES.get(key, key)
         if name not in allowed:
@@ -127,7 +177,7 @@ def _parse_arm(label: str) -> Arm:
                 f"Unknown option {key!r} for arm {kind!r} "
                 f"(known: {', '.join(sorted(allowed | set(ALIASES)))})"
             )
-        options[name] = _parse_value(value)
+        options[name] = _parse_value(value, kind, name, label)
     return Arm(label=label, kind=kind, options=options)
 
 

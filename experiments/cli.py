@@ -20,13 +20,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
+# What a boolean may be written as, in flags and in arm options alike.
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True}
+BOOL_WORDS.update({"0": False, "false": False, "no": False, "off": False})
+
+
 def parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"invalid boolean value: {text!r} (expected true or false)")
+    try:
+        return BOOL_WORDS[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"invalid boolean value: {text!r} (expected true or false)"
+        ) from None
 
 
 def _typed(cast):
@@ -40,10 +45,22 @@ def _typed(cast):
     return convert
 
 
-def add_preset_flags(parser: argparse.ArgumentParser, preset_cls, skip=("name",)) -> None:
-    """One ``--field-name`` flag per dataclass field, typed from its annotation, default None (= preset's)."""
+def _preset_values(presets: dict, name: str) -> str:
+    """Each preset's value of a field, for --help: the dataclass default is only the first preset's,
+    so showing it alone would present one preset's value as every preset's default."""
+    values = {label: getattr(p, name) for label, p in presets.items()}
+    if len(set(map(repr, values.values()))) == 1:
+        text = f"every preset: {next(iter(values.values()))!r}"
+    else:
+        text = ", ".join(f"{label}: {v!r}" for label, v in values.items())
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
+def add_preset_flags(parser: argparse.ArgumentParser, preset_cls, presets: dict, skip=("name",)) -> None:
+    """One ``--field-name`` flag per dataclass field, typed from its annotation, default None (= the
+    chosen preset's value); the help lists each of ``presets``' values ({name: preset})."""
     hints = typing.get_type_hints(preset_cls)
-    group = parser.add_argument_group("preset overrides (default: the preset's value)")
+    group = parser.add_argument_group("preset overrides (default: the chosen preset's value)")
     for f in dataclasses.fields(preset_cls):
         if f.name in skip:
             continue
@@ -55,7 +72,7 @@ def add_preset_flags(parser: argparse.ArgumentParser, preset_cls, skip=("name",)
             type=conv,
             default=None,
             metavar=kind.__name__.upper(),
-            help=f"(preset default: {f.default!r})",
+            help=f"({_preset_values(presets, f.name)})",
         )
 
 
@@ -71,3 +88,11 @@ def apply_overrides(preset, args) -> object:
 def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def os_error_message(exc: OSError) -> str:
+    """An OSError as one line naming the path (a file in the way, no permission, a full disk)."""
+    where = exc.filename if exc.filename is not None else "a file"
+    # mkdir(exist_ok=True) says only "File exists" when a file stands where the directory should be.
+    reason = "a file is in the way of a directory" if isinstance(exc, FileExistsError) else exc.strerror
+    return f"cannot use {where}: {reason or exc}"

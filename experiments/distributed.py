@@ -20,8 +20,8 @@ import torch.distributed as dist
 from distro_opt.comm import resolve_backend
 
 from .checkpoint import CheckpointStore
-from .cli import UsageError, fail
-from .data import CorpusError, load_corpus
+from .cli import UsageError, fail, os_error_message
+from .data import CorpusError, check_corpus_fits, load_corpus
 from .metrics import MetricsSink, truncate_metrics
 from .process_group import start_process_group
 from .train import Job, run_worker
@@ -44,7 +44,7 @@ class DistLossMean:
 
 
 def main_distributed(args, preset, arms) -> int:
-    from .run import finish, prepare_out_dir, record_result, run_config, _result_path
+    from .run import finish, finished, prepare_out_dir, record_result, run_config
 
     use_cuda = preset.device.startswith("cuda") and torch.cuda.is_available()
     if use_cuda:
@@ -56,10 +56,13 @@ def main_distributed(args, preset, arms) -> int:
     error = None
     try:
         corpus = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
+        check_corpus_fits(corpus, seq_len=preset.seq_len, workers=world, sharding=preset.sharding)
         if rank == 0:
             prepare_out_dir(args.out, run_config(preset, arms, world, corpus.vocab_size), args.resume)
     except (CorpusError, UsageError, ValueError) as exc:
         error = str(exc)
+    except OSError as exc:
+        error = os_error_message(exc)
     errors = [None] * world
     dist.all_gather_object(errors, error)  # every rank stops if any rank cannot start
     if any(errors):
@@ -69,7 +72,7 @@ def main_distributed(args, preset, arms) -> int:
     try:
         for seed in preset.seed_list():
             for arm in arms:
-                if _result_path(args.out, arm, seed).exists():
+                if finished(args.out, arm, seed):
                     continue
                 job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
                 store = CheckpointStore(args.out, arm.slug, seed, world)

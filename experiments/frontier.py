@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from .cli import fail, os_error_message
 from .presets import saved_preset_fields
 
 
@@ -72,7 +73,9 @@ def pair_with_adamw(points: list[dict]) -> list[dict]:
     return points
 
 
-def _ratio(x: float) -> str:
+def _ratio(x: float | None) -> str:
+    if x is None:  # an arm that never synchronized within its steps (sync_every > steps)
+        return "nothing sent"
     return f"{x:,.0f}x" if x >= 10 else f"{x:.2g}x"
 
 
@@ -81,11 +84,12 @@ MAX_NAMED_POINTS = 8  # beyond this many points the plot numbers them instead of
 
 def numbered(points: list[dict]) -> list[tuple[int | None, dict]]:
     """The points in table order, each with its number on the plot: 1, 2, ... for the points that
-    have a gap to plot (AdamW arms and unpaired arms get None)."""
-    ordered = sorted(points, key=lambda p: (p["run"], p["mode"], -p["compression"]))
+    have a gap and a compression to plot (AdamW arms, unpaired arms and arms that sent nothing get
+    None: a log axis has no place for them)."""
+    ordered = sorted(points, key=lambda p: (p["run"], p["mode"], -(p["compression"] or 0.0)))
     count, out = 0, []
     for p in ordered:
-        plotted = p["mode"] != "adamw" and p["gap_pct"] is not None
+        plotted = p["mode"] != "adamw" and p["gap_pct"] is not None and p["compression"] is not None
         count += plotted
         out.append((count if plotted else None, p))
     return out
@@ -166,16 +170,17 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing frontier.md/.png in --out")
     args = parser.parse_args(argv)
     if not args.force and any((args.out / f).exists() for f in ("frontier.md", "frontier.png")):
-        print(f"error: {args.out} already holds a frontier; pass --force to replace it", file=sys.stderr)
-        return 2
+        return fail(f"{args.out} already holds a frontier; pass --force to replace it")
     try:
         points = pair_with_adamw([p for run in args.runs for p in load_points(run)])
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "frontier.md").write_text(table(points))
-    plot(points, args.out / "frontier.png")
+        return fail(str(exc))
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "frontier.md").write_text(table(points))
+        plot(points, args.out / "frontier.png")
+    except OSError as exc:
+        return fail(os_error_message(exc))
     print(table(points))
     return 0
 

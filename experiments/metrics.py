@@ -89,16 +89,35 @@ def _human(n: float) -> str:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """All complete rows; a row cut short by a kill (the last line) is ignored."""
-    rows = []
+    """All complete rows; a row cut short by a kill (the last line) is ignored. Any other line that is
+    not a row is damage: ValueError naming the file and line, not a KeyError or TypeError later."""
     if not Path(path).exists():
-        return rows
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        return []
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
             continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue
+            row = None
+        if not _is_row(row):
+            raise ValueError(f"{path} is damaged: line {number} is not a metrics row ({line[:60]!r})")
+        rows.append(row)
     return rows
+
+
+def _is_row(row) -> bool:
+    """Holds what selecting a job's rows needs."""
+    return (
+        isinstance(row, dict)
+        and isinstance(row.get("arm"), str)
+        and isinstance(row.get("seed"), int)
+        and isinstance(row.get("step"), int)
+    )
 
 
 def truncate_metrics(path: Path, arm: str, seed: int, keep_through: int | None) -> None:
@@ -188,7 +207,13 @@ def summarize(config: dict, rows: list[dict], results: dict) -> dict:
         for seed in config["seeds"]:
             key = f"{arm['label']}|{seed}"
             if key in results and results[key]["status"] == "done":
-                per_job[(arm["label"], seed)] = job_summary(job_rows(rows, arm["label"], seed), results[key])
+                job = job_rows(rows, arm["label"], seed)
+                if not job:
+                    raise ValueError(
+                        f"metrics.jsonl holds no rows of arm {arm['label']!r} seed {seed}, "
+                        "whose result file says it finished"
+                    )
+                per_job[(arm["label"], seed)] = job_summary(job, results[key])
                 out["n_params"] = results[key]["n_params"]
     for arm in config["arms"]:
         seeds = [s for s in config["seeds"] if (arm["label"], s) in per_job]
@@ -284,6 +309,9 @@ def load_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
     config = json.loads((run_dir / "config.json").read_text())
     results = {}
     for f in sorted((run_dir / "results").glob("*.json")):
-        r = json.loads(f.read_text())
-        results[f"{r['arm']}|{r['seed']}"] = r
+        try:
+            r = json.loads(f.read_text())
+            results[f"{r['arm']}|{r['seed']}"] = r
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{f} is not a job result (damaged?)") from None
     return config, read_metrics(run_dir / "metrics.jsonl"), results

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .cli import Parser, fail
+from .cli import Parser, fail, os_error_message
 from .data import SHAKESPEARE, TOKENIZERS, CorpusError, default_cache_dir, load_corpus, prepare
 
 
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
         corpus = load_corpus(args.corpus, args.tokenizer, args.vocab_size, args.cache)
     except (CorpusError, ValueError) as exc:
         return fail(str(exc))
+    except OSError as exc:  # --cache unusable: a file in the way, no permission
+        return fail(os_error_message(exc))
     print(
         f"{out}: {corpus.train.size:,} train and {corpus.val.size:,} validation tokens, "
         f"vocab {corpus.vocab_size}"

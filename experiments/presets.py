@@ -11,12 +11,18 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from .data import check_sharding
 from .model import ModelConfig
+
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+# Far above any machine's cores, far below where thread creation fails (16384 on a 2-core test box;
+# 100000 segfaults inside torch).
+MAX_TORCH_THREADS = 1024
 
 
 @dataclass
@@ -80,6 +86,8 @@ class Preset:
             raise ValueError(f"Invalid seeds: {self.seeds!r} (expected comma-separated integers)") from None
         if not seeds or len(set(seeds)) != len(seeds):
             raise ValueError(f"Invalid seeds: {self.seeds!r} (expected distinct integers)")
+        if not all(0 <= s <= MAX_SEED for s in seeds):  # numpy's generators take no negative seed
+            raise ValueError(f"Invalid seeds: {self.seeds!r} (expected integers from 0 to 2**63 - 1)")
         return seeds
 
     def validate(self) -> None:
@@ -111,12 +119,36 @@ class Preset:
         check_sharding(self.sharding)
         if self.autocast not in ("none", "bf16"):
             raise ValueError(f"Invalid autocast: {self.autocast!r} (expected 'none' or 'bf16')")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        self._check_device()
+        if not 0 <= self.torch_threads <= MAX_TORCH_THREADS:
             raise ValueError(
-                f"Invalid device {self.device!r}: CUDA is not available here (pass --device cpu)"
+                f"Invalid torch_threads: {self.torch_threads} (expected 0, torch's default, "
+                f"to {MAX_TORCH_THREADS})"
+            )
+        if not 0.0 < self.timeout_s <= threading.TIMEOUT_MAX:  # beyond it, waits raise OverflowError
+            raise ValueError(
+                f"Invalid timeout_s: {self.timeout_s} (expected > 0 and <= {threading.TIMEOUT_MAX:.0f})"
             )
         self.seed_list()
         self.model_config()  # validates the model shape
+
+    def _check_device(self) -> None:
+        """Only cpu and cuda run the model: anything else would fail inside the workers, after the run
+        directory was written."""
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"Invalid device {self.device!r} (expected cpu, cuda or cuda:N)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"Invalid device {self.device!r}: CUDA is not available here (pass --device cpu)"
+            )
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"Invalid device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA devices"
+            )
 
 
 SMOKE = Preset()

@@ -25,14 +25,15 @@ from distro_opt.comm import InProcessBackend
 
 from .arms import check_arm, parse_arms
 from .checkpoint import CheckpointStore
-from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail
-from .data import CorpusError, load_corpus
-from .metrics import MetricsSink, load_run, summarize, truncate_metrics, write_summary
+from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail, os_error_message
+from .data import CorpusError, check_corpus_fits, load_corpus
+from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
 from .train import Job, LossTable, StopSignal, run_worker
 
 EXIT_INTERRUPTED = 130
 _NOT_IDENTITY = ("torch_threads", "timeout_s")  # how a run executes, not what it measures
+_CONFIG_KEYS = ("arms", "seeds", "workers", "vocab_size")  # besides "preset"
 
 
 def build_parser() -> Parser:
@@ -52,7 +53,7 @@ def build_parser() -> Parser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    add_preset_flags(p, Preset)
+    add_preset_flags(p, Preset, PRESETS)
     p.epilog = (
         "Arms: adamw (torch AdamW, gradients all-reduced through the same backend), distro "
         "(DisTrOAdamW), demo (DeMo); options as kind:key=value,... e.g. distro:topk=8,bits=2 "
@@ -79,14 +80,38 @@ def _identity(config: dict) -> dict:
     return ident
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename: a kill mid-write leaves the old file or none, never
+    a torn one that a resume would take for a finished arm or a run's identity."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read_config(cfg_path: Path) -> dict:
+    """A saved config.json, or UsageError when it is not one (unreadable, or another shape)."""
+    try:
+        config = json.loads(cfg_path.read_text())
+    except ValueError:
+        config = None
+    if not (
+        isinstance(config, dict)
+        and isinstance(config.get("preset"), dict)
+        and all(k in config for k in _CONFIG_KEYS)
+    ):
+        raise UsageError(
+            f"{cfg_path.parent} holds an unreadable config.json (not a run's configuration); "
+            "choose another --out"
+        )
+    return config
+
+
 def prepare_out_dir(out: Path, config: dict, resume: bool) -> None:
-    """Refuse to mix runs: a new run needs an empty or absent --out; --resume needs the same run there."""
+    """Refuse to mix runs: a new run needs an empty or absent --out; --resume needs the same run there,
+    with readable metrics."""
     cfg_path = out / "config.json"
     if cfg_path.exists():
-        try:
-            old = json.loads(cfg_path.read_text())
-        except ValueError:
-            raise UsageError(f"{out} holds an unreadable config.json; choose another --out") from None
+        old = _read_config(cfg_path)
         if not resume:
             raise UsageError(
                 f"{out} already holds a run; pass --resume to continue it, or choose another --out"
@@ -96,10 +121,11 @@ def prepare_out_dir(out: Path, config: dict, resume: bool) -> None:
             diff = sorted(
                 k for k in set(a["preset"]) | set(b["preset"]) if a["preset"].get(k) != b["preset"].get(k)
             )
-            diff += [k for k in ("arms", "seeds", "workers", "vocab_size") if a[k] != b[k]]
+            diff += [k for k in _CONFIG_KEYS if a[k] != b[k]]
             raise UsageError(
                 f"{out} holds a different run (differs in: {', '.join(diff)}); choose another --out"
             )
+        read_metrics(out / "metrics.jsonl")  # damaged rows: refused now, naming the file, not mid-run
         return
     if resume:
         raise UsageError(f"nothing to resume: {out} holds no run")
@@ -107,11 +133,21 @@ def prepare_out_dir(out: Path, config: dict, resume: bool) -> None:
         raise UsageError(f"{out} exists and is not an empty directory; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results").mkdir()
-    cfg_path.write_text(json.dumps(config, indent=1))
+    write_atomic(cfg_path, json.dumps(config, indent=1))
 
 
 def _result_path(out: Path, arm, seed: int) -> Path:
     return out / "results" / f"{arm.slug}-seed{seed}.json"
+
+
+def finished(out: Path, arm, seed: int) -> bool:
+    """Whether the job's result file says it is done. A damaged or torn one (written by a version
+    without atomic writes, or edited) does not count: the job is run again from its checkpoint."""
+    try:
+        result = json.loads(_result_path(out, arm, seed).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and result.get("status") == "done"
 
 
 def run_job_in_process(job: Job, workers: int, stop: StopSignal, progress: bool) -> list[dict]:
@@ -151,7 +187,7 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
         ],
     }
     if first["status"] == "done":
-        _result_path(out, job.arm, job.seed).write_text(json.dumps(result, indent=1))
+        write_atomic(_result_path(out, job.arm, job.seed), json.dumps(result, indent=1))
 
 
 def finish(out: Path, plots: bool) -> dict:
@@ -192,16 +228,19 @@ def run_in_process(args, preset: Preset, arms) -> int:
     """Every arm and seed with ``preset.workers`` threads as workers; then the summary and plots."""
     try:
         corpus = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
+        check_corpus_fits(corpus, seq_len=preset.seq_len, workers=preset.workers, sharding=preset.sharding)
         config = run_config(preset, arms, preset.workers, corpus.vocab_size)
         prepare_out_dir(args.out, config, args.resume)
     except (CorpusError, UsageError, ValueError) as exc:
         return fail(str(exc))
+    except OSError as exc:
+        return fail(os_error_message(exc))
     stop = StopSignal()
     previous = {s: signal.signal(s, stop.request) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for seed in preset.seed_list():
             for arm in arms:
-                if _result_path(args.out, arm, seed).exists():
+                if finished(args.out, arm, seed):
                     continue  # finished before an interruption
                 if stop.requested:
                     print(
@@ -226,7 +265,10 @@ def run_in_process(args, preset: Preset, arms) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    summary = finish(args.out, plots=not args.no_plots)
+    try:
+        summary = finish(args.out, plots=not args.no_plots)
+    except ValueError as exc:  # files of the run damaged or removed by hand
+        return fail(f"cannot summarize {args.out}: {exc}")
     print((args.out / "summary.md").read_text())
     bad = [a for a, s in summary["arms"].items() if not s["bytes_match_formula"]]
     if bad:

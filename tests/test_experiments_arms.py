@@ -81,3 +81,38 @@ def test_invalid_per_kind_value_fails_before_training():
     (arm,) = parse_arms("distro:norm.update=momentum")
     with pytest.raises(ValueError, match="Invalid arm"):
         check_arm(arm, get_preset("smoke"))
+
+
+@pytest.mark.parametrize("word, value", [
+    ("no", False), ("off", False), ("false", False), ("0", False),
+    ("yes", True), ("ON", True), ("true", True), ("1", True),
+])
+def test_boolean_option_takes_the_words_the_preset_flags_take(word, value):
+    (arm,) = parse_arms(f"distro:overlap={word}")
+    assert arm.options == {"overlap": value}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("distro:overlap=maybe", "Invalid value 'maybe' for option 'overlap' of arm 'distro:overlap=maybe'"),
+    ("adamw:foreach=maybe", "Invalid value 'maybe' for option 'foreach'"),
+    ("distro:topk=8.5", "Invalid value '8.5' for option 'compression_topk'.*an integer"),
+    ("distro:norm.lr=fast", "Invalid value 'fast' for option 'lr'.*a number"),
+])
+def test_option_value_that_does_not_fit_its_type_is_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_arms(text)
+
+
+def test_numeric_options_take_the_optimizer_parameter_type():
+    (arm,) = parse_arms("distro:lr=1,topk=8,update=adam")
+    assert arm.options == {"lr": 1.0, "compression_topk": 8, "update": "adam"}
+    assert isinstance(arm.options["lr"], float) and isinstance(arm.options["compression_topk"], int)
+
+
+@pytest.mark.parametrize("text, first, second", [
+    ("adamw,adamw:", "adamw", "adamw:"),
+    ("distro:update=adam,distro:update=Adam", "distro:update=adam", "distro:update=Adam"),
+])
+def test_arms_that_would_share_result_files_are_refused_naming_both(text, first, second):
+    with pytest.raises(ValueError, match=f"'{first}' and '{second}' would share result files"):
+        parse_arms(text)

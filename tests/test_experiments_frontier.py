@@ -102,3 +102,27 @@ def test_runs_saved_before_the_sharding_field_pair_with_contiguous_runs_only(tmp
     by_arm = {p["arm"]: p for p in points}
     assert by_arm["distro:new"]["gap_pct"] == pytest.approx(100 * (1.10 / 1.0 - 1))
     assert by_arm["distro:iid"]["gap_pct"] is None
+
+
+def test_arm_that_sent_nothing_is_listed_without_a_compression_and_not_plotted(tmp_path):
+    write_run(tmp_path / "local", [
+        ("adamw", "adamw", {}, 0.0, 0.5),
+        ("distro", "distro", {}, 17.0, 920.0),
+        ("distro:sync_every=100", "distro", {"sync_every": 100}, 3.0, None),  # never synced in 6 steps
+    ])
+    assert frontier.main([str(tmp_path / "local"), "--out", str(tmp_path / "out")]) == 0
+    rows = (tmp_path / "out" / "frontier.md").read_text().splitlines()[2:]
+    silent = next(line for line in rows if "`distro:sync_every=100`" in line)
+    assert silent.split("|")[1].strip() == "" and silent.endswith("| nothing sent |")
+    assert "| 1 | local | `distro` |" in "\n".join(rows)
+    assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
+
+
+def test_unusable_out_folder_is_a_one_line_error(tmp_path, capsys):
+    write_run(tmp_path / "sweep", [("adamw", "adamw", {}, 0.0, 0.5)])
+    (tmp_path / "file").write_text("in the way")
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        assert frontier.main([str(tmp_path / "sweep"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: cannot use {tmp_path / 'file'}") and len(err.splitlines()) == 1
+    assert (tmp_path / "file").read_text() == "in the way"
