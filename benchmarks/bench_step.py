@@ -51,9 +51,32 @@ class ForwardDCTOnly:
             self.transform.forward(p.grad, chunk)
 
 
+class WithBf16Gemms:
+    """DisTrOAdamW with its defaults, stepped with ``torch.backends.mkldnn.matmul.fp32_precision``
+    set to "bf16" (the user's process-wide permission for bf16 float32 matmuls, which its forward
+    DCT's oneDNN GEMMs then take on a CPU that computes bf16) around its own steps only, so that
+    the other arms run with torch's default."""
+
+    def __init__(self, params):
+        self.optimizer = DisTrOAdamW(params, lr=1e-3)
+        self.payload_nbytes = self.optimizer.payload_nbytes
+
+    def step(self):
+        matmul = getattr(torch.backends.mkldnn, "matmul", None)  # torch < 2.9 has no such setting
+        if matmul is None:
+            return self.optimizer.step()
+        before = matmul.fp32_precision
+        matmul.fp32_precision = "bf16"
+        try:
+            self.optimizer.step()
+        finally:
+            matmul.fp32_precision = before
+
+
 ARMS = {
     "AdamW (torch, foreach)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     "DisTrOAdamW (defaults)": lambda ps: DisTrOAdamW(ps, lr=1e-3),
+    "DisTrOAdamW (defaults, bf16 GEMMs allowed)": WithBf16Gemms,
     "DisTrOAdamW (update=adam)": lambda ps: DisTrOAdamW(ps, lr=1e-3, update="adam"),
     "DeMo (reference settings)": lambda ps: DeMo(ps, lr=1e-3),
     "forward DCT alone (not an optimizer)": ForwardDCTOnly,
@@ -151,6 +174,8 @@ def main(argv=None):
     nparams = sum(torch.Size(s).numel() for s in shapes)
     setups = {}
     for name, make in ARMS.items():
+        if make is WithBf16Gemms and device.type != "cpu":  # a CPU setting: the same as the defaults here
+            continue
         params = [torch.nn.Parameter(torch.randn(s, device=device) * 0.02) for s in shapes]
         grads = [torch.randn(s, device=device) * 1e-3 for s in shapes]
         opt = make(params)

@@ -35,6 +35,23 @@ _ONEDNN_LINEAR = (
 # ``_ONEDNN_LINEAR`` reads), or None: see ``DCTTransform._onednn_basis``.
 _ONEDNN_PACK = None if _ONEDNN_LINEAR is None else getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 
+# Whether oneDNN computes in bf16 on this CPU (asked once: the answer does not change).
+_ONEDNN_BF16 = _ONEDNN_LINEAR is not None and bool(
+    getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+)
+
+
+def onednn_gemm_dtype() -> torch.dtype:
+    """The dtype in which ``_accumulate_onednn`` multiplies float32 data: bfloat16 where the user
+    allowed oneDNN to compute float32 matrix products in bf16 (torch's process-wide
+    ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, torch >= 2.9) and this CPU can;
+    float32 otherwise (torch's default). The library never sets that flag itself: it also reaches
+    every float32 matmul of the process that oneDNN computes, the model's included."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    if _ONEDNN_BF16 and getattr(matmul, "fp32_precision", None) == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
 
 def _onednn_computes(x: torch.Tensor) -> bool:
     """Whether ``_ONEDNN_LINEAR`` takes the forward transform's GEMMs of ``x``: float32 on the CPU,
@@ -82,27 +99,29 @@ class DCTTransform:
         """Chunk shape of a tensor of ``shape``; a 0-d tensor is treated as shape (1,)."""
         return tuple(chunk_size(n, target) for n in (tuple(shape) or (1,)))
 
-    def _workspace(self, purpose: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A reused buffer per ``purpose`` on the CPU, where a fresh model-sized tensor costs more in
-        page faults (~2.5 ms per 20 MB here) than filling it; a new tensor elsewhere (CUDA's caching
-        allocator already reuses memory)."""
+    def _workspace(self, purpose: str, shape: tuple[int, ...], like: torch.Tensor, dtype=None):
+        """A reused buffer per ``purpose`` (of ``like``'s dtype unless ``dtype`` is given) on the CPU,
+        where a fresh model-sized tensor costs more in page faults (~2.5 ms per 20 MB here) than
+        filling it; a new tensor elsewhere (CUDA's caching allocator already reuses memory)."""
+        dtype = like.dtype if dtype is None else dtype
         if like.device.type != "cpu":
-            return torch.empty(shape, dtype=like.dtype, device=like.device)
+            return torch.empty(shape, dtype=dtype, device=like.device)
         n = math.prod(shape)
-        buf = self._scratch.get((purpose, like.dtype))
+        buf = self._scratch.get((purpose, dtype))
         if buf is None or buf.numel() < n:
             with kept_tensors():
-                buf = self._scratch[(purpose, like.dtype)] = torch.empty(n, dtype=like.dtype)
+                buf = self._scratch[(purpose, dtype)] = torch.empty(n, dtype=dtype)
         return buf[:n].view(shape)
 
-    def _basis(self, n: int, like: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-        """D, or D^T as a contiguous copy (a GEMM with a contiguous right factor ran ~7% faster
-        here than with a transposed view)."""
+    def _basis(self, n: int, like: torch.Tensor, transposed: bool = False, dtype=None) -> torch.Tensor:
+        """D (in ``like``'s dtype unless ``dtype`` is given), or D^T as a contiguous copy (a GEMM
+        with a contiguous right factor ran ~7% faster here than with a transposed view)."""
+        dtype = like.dtype if dtype is None else dtype
         if transposed:
-            key = ("transposed", n, like.dtype, like.device)
-            return self._cached(key, lambda: self._basis(n, like).T.contiguous())
-        key = ("basis", n, like.dtype, like.device)
-        return self._cached(key, lambda: dct_matrix(n, like.dtype, like.device))
+            key = ("transposed", n, dtype, like.device)
+            return self._cached(key, lambda: self._basis(n, like, dtype=dtype).T.contiguous())
+        key = ("basis", n, dtype, like.device)
+        return self._cached(key, lambda: dct_matrix(n, dtype, like.device))
 
     def _cached(self, key: tuple, make) -> torch.Tensor:
         """The basis tensor cached under ``key`` (its first entry names the kind), ``make()`` once."""
@@ -112,14 +131,15 @@ class DCTTransform:
                 tensor = self._bases[key] = make()
         return tensor
 
-    def _onednn_basis(self, n: int, like: torch.Tensor) -> torch.Tensor:
+    def _onednn_basis(self, n: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
         """D as the weight of ``_ONEDNN_LINEAR`` (which computes rows @ D^T), reordered once into
         oneDNN's own layout where this torch can (``_ONEDNN_PACK``), so no call reorders it again:
         the step ~1% faster (A/B, 1 and 2 threads), the same bits. The reordered tensor has no
         storage torch can copy: ``__getstate__`` leaves the caches out."""
+        dtype = like.dtype if dtype is None else dtype
         if _ONEDNN_PACK is None:
-            return self._basis(n, like)
-        return self._cached(("onednn", n, like.dtype), lambda: _ONEDNN_PACK(self._basis(n, like)))
+            return self._basis(n, like, dtype=dtype)
+        return self._cached(("onednn", n, dtype), lambda: _ONEDNN_PACK(self._basis(n, like, dtype=dtype)))
 
     def __getstate__(self):
         """Copies and pickles of a transform start with empty caches: they are rebuilt on use, and
@@ -262,21 +282,27 @@ class DCTTransform:
         2 (A/B runs, this AMD CPU). oneDNN's op has no ``out=``: each slab allocates two slab-sized
         tensors (no page faults here). With ``peaks``, each slab's run peaks are taken right after its
         sum, from cache (|x| into a workspace, then ``amax``): the step 1-3% faster than two passes
-        over the whole momentum later (A/B, 1 and 2 threads)."""
+        over the whole momentum later (A/B, 1 and 2 threads).
+
+        Where the user allows bf16 (``onednn_gemm_dtype``), the slab is copied into bf16 and both
+        products run in bf16 (oneDNN accumulates in float32, then rounds the product to bf16), so
+        each step's DCT of the gradient is off by ~0.4% (relative, random data) before its sum into
+        the float32 momentum."""
         c, last = chunk[0], chunk[-1]
         rest = xs[0].numel() // xs[0].shape[0]
         blocks = [x.reshape(-1, c, rest) for x in xs]
         per_tensor = blocks[0].shape[0]
         out_blocks = out.view(-1, c, rest)
         old_blocks = None if old is None else old.view(-1, c, rest)
+        gemm = onednn_gemm_dtype()
         first = self._basis(c, out)
-        first = first * scale if scale != 1 else first
-        basis = self._onednn_basis(last, out)
+        first = (first * scale if scale != 1 else first).to(gemm)
+        basis = self._onednn_basis(last, out, dtype=gemm)
         per = max(1, SLAB_NUMEL // (c * rest))
         runs_per_block = c * rest // last
         for lo in range(0, len(xs) * per_tensor, per):
             hi = min(len(xs) * per_tensor, lo + per)
-            slab = self._workspace("forward", (c, hi - lo, rest), out)
+            slab = self._workspace("forward", (c, hi - lo, rest), out, dtype=gemm)
             for i, start, end, at in self._slab_parts(lo, hi, per_tensor):
                 slab[:, at : at + end - start].copy_(blocks[i][start:end].transpose(0, 1))
             z = _ONEDNN_LINEAR(slab.view(-1, last), basis, None, "none", [], "")

@@ -173,6 +173,50 @@ def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(
         assert forward_gemm.calls > 0
 
 
+@pytest.fixture
+def bf16_allowed():
+    """torch's process-wide permission for oneDNN to compute float32 matmuls in bf16, given for the
+    test (set it back to False inside to take it away) and restored after."""
+    if not transform_module._ONEDNN_BF16:
+        pytest.skip("this CPU (or this torch build) has no oneDNN bf16 arithmetic")
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+
+    def allow(yes=True):
+        matmul.fp32_precision = "bf16" if yes else "none"
+
+    allow()
+    yield allow
+    matmul.fp32_precision = before
+
+
+@pytest.mark.parametrize("shape, members", [((128, 192), 1), ((64, 256), 3)])
+def test_accumulate_runs_its_gemms_in_bf16_only_while_the_user_allows_it(shape, members, bf16_allowed):
+    """With ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` a matrix's DCT is off by bf16
+    rounding (~0.4%, far above float32's), still summed into the float32 momentum with its exact run
+    peaks; without it, float32 again, from the same transform."""
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(shape) for _ in range(members)]
+    old = rng.standard_normal(members * int(np.prod(shape)))
+    t = DCTTransform()
+    chunk = t.chunk_shape(shape, 64)
+    dct = np.concatenate([_scipy_own_layout(x, chunk).reshape(-1) for x in xs])
+    inputs = [torch.from_numpy(x).float() for x in xs]
+    errors = []
+    for allowed in (True, False):
+        bf16_allowed(allowed)
+        out = torch.empty(old.size)
+        peaks = torch.empty(old.size // chunk[-1])
+        old_t = torch.from_numpy(old).float()
+        assert t.accumulate(inputs, chunk, old_t, out, decay=0.9, scale=0.5, peaks=peaks)
+        assert torch.equal(peaks, out.view(-1, chunk[-1]).abs().amax(1))
+        errors.append(np.linalg.norm(out.numpy() - (0.9 * old + 0.5 * dct)) / np.linalg.norm(0.5 * dct))
+        np.testing.assert_allclose(t.forward(inputs[0], chunk).numpy(), _scipy_own_layout(xs[0], chunk),
+                                   atol=0.05 if allowed else 2e-5)
+    assert 1e-3 < errors[0] < 1e-2
+    assert errors[1] < 1e-6
+
+
 @pytest.mark.parametrize("forward_gemm", ["onednn"], indirect=True)
 def test_only_the_forward_transform_uses_onednn(forward_gemm):
     """The inverse, which every worker runs on the same gathered payloads, stays on torch.mm: workers
