@@ -9,7 +9,8 @@ all_gather meeting an all_reduce, all_reduce tensors of different shapes or dtyp
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce
 
 DEFAULT_TIMEOUT_S = 120.0
+_POLL_S = 0.1  # how often run() looks for an exception sent to the calling thread (Ctrl-C)
 
 
 class InProcessGroupError(RuntimeError):
@@ -24,14 +26,21 @@ class InProcessGroupError(RuntimeError):
 
 
 class _Exchange:
-    """Rendezvous shared by the workers of one group: round r completes when every rank deposited."""
+    """Rendezvous shared by the workers of one group: round r completes when every rank deposited.
+
+    A round's items are freed once every rank is done with it: it collected the round, gave up on
+    it (its collect timed out), or dropped the handle of an all-gather it never waited on. Freeing
+    on "every rank collected" alone kept abandoned rounds, and their buffers, for the group's life.
+    """
 
     def __init__(self, world_size: int, timeout_s: float):
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._cond = threading.Condition()
+        # Reentrant: ``release`` also runs from a garbage-collected handle, possibly in a thread
+        # that already holds the lock.
+        self._cond = threading.Condition(threading.RLock())
         self._slots: dict[int, list] = {}
-        self._reads: dict[int, int] = {}
+        self._done: dict[int, set[int]] = {}  # round -> ranks that will not read it again
         self._aborted: str | None = None
 
     def deposit(self, round_id: int, rank: int, item) -> None:
@@ -42,7 +51,9 @@ class _Exchange:
             slots[rank] = item
             self._cond.notify_all()
 
-    def collect(self, round_id: int) -> list:
+    def collect(self, round_id: int, rank: int) -> list:
+        """Every rank's item of round ``round_id``, once all arrived; ``rank`` is done with it then,
+        and also when the wait times out (it gives the round up: a late rank still completes it)."""
         with self._cond:
             done = self._cond.wait_for(
                 lambda: self._aborted is not None
@@ -50,23 +61,35 @@ class _Exchange:
                 timeout=self.timeout_s,
             )
             self._raise_if_aborted()
+            slots = self._slots.get(round_id, [None] * self.world_size)
+            self._release(round_id, rank)
             if not done:
-                slots = self._slots.get(round_id, [None] * self.world_size)
                 missing = [r for r, x in enumerate(slots) if x is None]
                 raise InProcessGroupError(
                     f"collective #{round_id} timed out after {self.timeout_s:g} s "
                     f"waiting for ranks {missing}"
                 )
-            items = list(self._slots[round_id])
-            self._reads[round_id] = self._reads.get(round_id, 0) + 1
-            if self._reads[round_id] == self.world_size:
-                del self._slots[round_id], self._reads[round_id]
-            return items
+            return list(slots)
+
+    def release(self, round_id: int, rank: int) -> None:
+        """``rank`` will not collect round ``round_id`` (it dropped the handle); free it if all are done."""
+        with self._cond:
+            self._release(round_id, rank)
+
+    def _release(self, round_id: int, rank: int) -> None:
+        if round_id not in self._slots:  # freed already, or aborted
+            return
+        done = self._done.setdefault(round_id, set())
+        done.add(rank)
+        if len(done) == self.world_size:  # each rank deposited before it could be done
+            del self._slots[round_id], self._done[round_id]
 
     def abort(self, reason: str) -> None:
         with self._cond:
             if self._aborted is None:
                 self._aborted = reason
+            self._slots.clear()  # every collective of the group raises from now on: nobody reads them
+            self._done.clear()
             self._cond.notify_all()
 
     def _raise_if_aborted(self):
@@ -106,7 +129,7 @@ class InProcessBackend(Backend):
         Every worker sees every call, so they all raise the same error: none is left waiting, where a
         real group would return garbage or abort the process (see torch_backend).
         """
-        deposits = self._exchange.collect(round_id)
+        deposits = self._exchange.collect(round_id, self.rank)
         calls = [call for call, _ in deposits]
         if len(set(calls)) > 1:
             raise ValueError(
@@ -127,7 +150,11 @@ class InProcessBackend(Backend):
             self.stats.record(CommStats.all_gather_bytes(buf.numel(), self.world_size), received)
             return bufs
 
-        return PendingGather(finish)
+        pending = PendingGather(finish)
+        # An all-gather started and never waited on (abandoned after an error, or at the end of a
+        # run) would keep its round's buffers: dropping the handle counts as being done with it.
+        weakref.finalize(pending, self._exchange.release, round_id, self.rank).atexit = False
+        return pending
 
     def all_gather(self, buf):
         return self.start_all_gather(buf).wait()
@@ -160,7 +187,10 @@ class InProcessBackend(Backend):
         """Run ``fn(backend)`` on ``world_size`` worker threads; return their results in rank order.
 
         If one worker raises, the group is aborted so the others fail fast instead of waiting for
-        the timeout, and the first worker's exception is re-raised here.
+        the timeout, and the first worker's exception is re-raised here. If the calling thread is
+        interrupted (Ctrl-C) or fails while it waits, the group is aborted too and the exception is
+        re-raised at once, without waiting for the jobs to end: workers blocked in a collective
+        raise immediately, the others at their next collective.
         """
         backends = list(backends) if backends is not None else InProcessBackend.create(world_size, timeout_s)
 
@@ -171,15 +201,25 @@ class InProcessBackend(Backend):
                 backend.abort(f"worker {backend.rank} raised {type(exc).__name__}: {exc}")
                 raise
 
-        with ThreadPoolExecutor(max_workers=len(backends), thread_name_prefix="distro-worker") as pool:
+        pool = ThreadPoolExecutor(max_workers=len(backends), thread_name_prefix="distro-worker")
+        try:
             futures = [pool.submit(play, b) for b in backends]
-            errors = []
-            for f in futures:
-                exc = f.exception()
-                if exc is not None:
-                    errors.append(exc)
-            if errors:
-                # The root cause is the first error that is not a consequence of the abort.
-                root = next((e for e in errors if not isinstance(e, InProcessGroupError)), errors[0])
-                raise root
-            return [f.result() for f in futures]
+            _wait_for_all(futures)
+        except BaseException as exc:
+            # Leaving a ``with`` block would join the pool, i.e. wait for every worker's whole job.
+            backends[0].abort(f"run() was interrupted by {type(exc).__name__}")
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            # The root cause is the first error that is not a consequence of the abort.
+            raise next((e for e in errors if not isinstance(e, InProcessGroupError)), errors[0])
+        return [f.result() for f in futures]
+
+
+def _wait_for_all(futures) -> None:
+    """Return once every future is done. Waits in short slices: one wait without a timeout would
+    hold off an exception sent to this thread (``_thread.interrupt_main``) until every job ended."""
+    while wait(futures, timeout=_POLL_S).not_done:
+        pass

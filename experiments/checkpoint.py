@@ -4,6 +4,8 @@ Each worker writes ``step{S}.rank{R}.pt`` (model, optimizer state with its error
 progress counters). A step's set is usable only when every rank's file is there. Rank 0 deletes
 sets older than the previous one: by the time it writes step S, every rank has passed the
 collectives after the previous checkpoint, so that set is complete and the older ones are not needed.
+A file that cannot be resumed from (damaged, or another arm's) raises ``CheckpointError`` naming it;
+nothing is deleted to get past it: the message says which files to move away.
 """
 
 from __future__ import annotations
@@ -15,6 +17,18 @@ from pathlib import Path
 import torch
 
 _NAME = re.compile(r"step(\d+)\.rank(\d+)\.pt$")
+_KEYS = {"progress", "model", "optimizer"}
+_MAX_DETAIL = 160  # characters of the underlying error quoted in a one-line message
+
+
+class CheckpointError(ValueError):
+    """A checkpoint ``--resume`` cannot continue from; the message names the file and the way out."""
+
+
+def _detail(exc: BaseException) -> str:
+    """An exception as a short single line: torch's messages run over several lines and paragraphs."""
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return text if len(text) <= _MAX_DETAIL else text[: _MAX_DETAIL - 3] + "..."
 
 
 class CheckpointStore:
@@ -53,9 +67,44 @@ class CheckpointStore:
                 for r in range(self.world_size):
                     self._path(s, r).unlink(missing_ok=True)
 
-    def load_latest(self, rank: int) -> dict | None:
-        """This rank's state at the newest step every rank saved, or None when there is none."""
-        step = self.latest_step()
-        if step == 0:
-            return None
-        return torch.load(self._path(step, rank), map_location="cpu", weights_only=False)
+    def restore(self, step: int, rank: int, model, opt) -> dict:
+        """Load ``rank``'s checkpoint of ``step`` into ``model`` and ``opt``; return its progress counters.
+
+        torch's ``load_state_dict`` takes the saved param_groups as they are, so another optimizer's
+        file (an AdamW checkpoint in DisTrOAdamW's folder) loads silently and the first step fails
+        on a missing hyperparameter (KeyError: 'compression_topk'): the names are compared here.
+        """
+        saved = self._load(step, rank)
+        expected = {k for g in opt.param_groups for k in g}
+        try:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise self._error(step, rank, f"does not fit this model and optimizer ({_detail(exc)})") from None
+        loaded = {k for g in opt.param_groups for k in g}
+        if loaded != expected:
+            differ = {"missing": expected - loaded, "unexpected": loaded - expected}
+            names = "; ".join(f"{what}: {', '.join(sorted(k))}" for what, k in differ.items() if k)
+            raise self._error(step, rank, f"holds another optimizer's state (hyperparameters {names})")
+        return saved["progress"]
+
+    def _load(self, step: int, rank: int) -> dict:
+        """Rank's file of ``step``, once it is known to be this runner's checkpoint of that step."""
+        try:
+            saved = torch.load(self._path(step, rank), map_location="cpu", weights_only=False)
+        except Exception as exc:  # whatever the zip reader or the unpickler met (or an OSError)
+            raise self._error(step, rank, f"is unreadable ({_detail(exc)})") from None
+        if not (isinstance(saved, dict) and _KEYS <= saved.keys() and isinstance(saved["progress"], dict)):
+            raise self._error(step, rank, "is not a checkpoint of this runner")
+        if saved["progress"].get("step") != step:
+            raise self._error(step, rank, f"holds step {saved['progress'].get('step')!r}, not step {step}")
+        return saved
+
+    def _error(self, step: int, rank: int, problem: str) -> CheckpointError:
+        """Name the file and the problem, and the way out that deletes nothing: set this step aside."""
+        earlier = [s for s in self.complete_steps() if s < step]
+        then = f"resume from step {earlier[0]}" if earlier else "start this arm over"
+        return CheckpointError(
+            f"checkpoint {self._path(step, rank)} {problem}; move the step{step}.rank*.pt files out of "
+            f"{self.dir} to {then}"
+        )

@@ -29,7 +29,7 @@ from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail, os
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
-from .train import Job, LossTable, StopSignal, run_worker
+from .train import Job, LossTable, StopSignal, check_resumable, run_worker
 
 EXIT_INTERRUPTED = 130
 _NOT_IDENTITY = ("torch_threads", "timeout_s")  # how a run executes, not what it measures
@@ -150,6 +150,15 @@ def finished(out: Path, arm, seed: int) -> bool:
     return isinstance(result, dict) and result.get("status") == "done"
 
 
+def check_checkpoints(out: Path, preset: Preset, arms, corpus) -> None:
+    """--resume: every unfinished job's newest checkpoint set must load (``CheckpointError`` otherwise),
+    checked before the first arm trains, so that a bad file of the last arm is not found hours in."""
+    for seed in preset.seed_list():
+        for arm in arms:
+            if not finished(out, arm, seed):
+                check_resumable(Job.create(arm, seed, preset, corpus, out, resume=True), preset.workers)
+
+
 def run_job_in_process(job: Job, workers: int, stop: StopSignal, progress: bool) -> list[dict]:
     sink = MetricsSink(
         job.out / "metrics.jsonl",
@@ -231,7 +240,9 @@ def run_in_process(args, preset: Preset, arms) -> int:
         check_corpus_fits(corpus, seq_len=preset.seq_len, workers=preset.workers, sharding=preset.sharding)
         config = run_config(preset, arms, preset.workers, corpus.vocab_size)
         prepare_out_dir(args.out, config, args.resume)
-    except (CorpusError, UsageError, ValueError) as exc:
+        if args.resume:
+            check_checkpoints(args.out, preset, arms, corpus)
+    except (CorpusError, UsageError, ValueError) as exc:  # CheckpointError is a ValueError
         return fail(str(exc))
     except OSError as exc:
         return fail(os_error_message(exc))

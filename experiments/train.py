@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from distro_opt.comm import SingleWorkerBackend
+
 from .arms import Arm, build_optimizer
 from .checkpoint import CheckpointStore
 from .data import val_batches, worker_batch
@@ -107,6 +109,22 @@ class Job:
                    vocab_size=corpus.vocab_size, resume=resume)
 
 
+def check_resumable(job: Job, world_size: int) -> None:
+    """Restore every rank's newest checkpoint of ``job`` into a scratch replica, on this thread.
+
+    A damaged or foreign file then raises ``CheckpointError`` (naming it) before any arm trains or
+    any file is written, rather than as a traceback from a worker thread once the run has started.
+    """
+    store = CheckpointStore(job.out, job.arm.slug, job.seed, world_size)
+    step = store.latest_step()
+    if step == 0:
+        return
+    model = build_model(job.preset.model_config(job.vocab_size), seed=job.seed)
+    opt = build_optimizer(job.arm, model.named_parameters(), job.preset, SingleWorkerBackend())
+    for rank in range(world_size):
+        store.restore(step, rank, model, opt)
+
+
 def _all_reduce_gradients(model, backend) -> float:
     """DDP's gradient averaging, as one flat fp32 buffer through the same backend (bytes counted there)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -175,10 +193,8 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
     base_lrs = [g["lr"] for g in opt.param_groups]
     store = CheckpointStore(job.out, job.arm.slug, job.seed, world)
     state = {"step": 0, "sent": 0, "received": 0, "collectives": 0, "wall_s": 0.0}
-    if job.resume and (saved := store.load_latest(rank)) is not None:
-        state = saved["progress"]
-        opt.load_state_dict(saved["optimizer"])
-        model.load_state_dict(saved["model"])
+    if job.resume and (step := store.latest_step()) > 0:
+        state = store.restore(step, rank, model, opt)
     val = (
         val_batches(job.corpus.val, n_batches=p.eval_batches, batch_size=p.eval_batch_size, seq_len=p.seq_len)
         if rank == 0

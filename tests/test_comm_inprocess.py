@@ -1,4 +1,6 @@
 """In-process workers: collectives block like real ones, count bytes by the documented rules."""
+import _thread
+import gc
 import importlib
 import threading
 import time
@@ -167,3 +169,65 @@ def test_timeout_message_shows_sub_second_timeouts():
     backend = InProcessBackend.create(2, timeout_s=0.3)[0]
     with pytest.raises(InProcessGroupError, match=r"timed out after 0\.3 s"):
         backend.all_reduce(torch.zeros(1))
+
+
+def test_an_interrupt_in_the_caller_aborts_the_group_without_waiting_for_the_jobs():
+    ended = {}
+
+    def worker(backend):  # a 5 s job; rank 1 spends it blocked in the collective, waiting for rank 0
+        try:
+            for _ in range(20):
+                time.sleep(0.25 if backend.rank == 0 else 0.0)
+                backend.all_reduce(torch.zeros(1))
+        except InProcessGroupError as exc:
+            ended[backend.rank] = (time.monotonic(), str(exc))
+
+    ctrl_c = threading.Timer(0.5, _thread.interrupt_main)
+    start = time.monotonic()
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            InProcessBackend.run(2, worker, timeout_s=30)
+    finally:
+        ctrl_c.cancel()
+    assert time.monotonic() - start < 2
+    deadline = time.monotonic() + 5
+    while len(ended) < 2 and time.monotonic() < deadline:  # rank 0 stops at its next collective
+        time.sleep(0.01)
+    assert sorted(ended) == [0, 1]
+    assert all(t - start < 2 and "interrupted by KeyboardInterrupt" in msg for t, msg in ended.values())
+
+
+def live_tensors(numel):
+    """How many tensors of ``numel`` elements are alive anywhere in this process."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.numel() == numel)
+
+
+def test_all_gathers_never_waited_on_free_their_buffers():
+    def worker(backend):
+        for _ in range(50):
+            backend.start_all_gather(torch.zeros(12_347, dtype=torch.uint8))  # abandoned at once
+
+    group = InProcessBackend.create(2, timeout_s=10)  # still in use, as by an optimizer that goes on
+    InProcessBackend.run(2, worker, backends=group)
+    assert live_tensors(12_347) == 0
+
+
+def test_a_round_given_up_after_a_timeout_is_freed_once_the_late_worker_completes_it():
+    early, late = InProcessBackend.create(2, timeout_s=0.2)
+    with pytest.raises(InProcessGroupError, match="timed out"):
+        early.all_gather(torch.full((12_349,), 1, dtype=torch.uint8))
+    bufs = late.all_gather(torch.full((12_349,), 2, dtype=torch.uint8))
+    assert [int(b[0]) for b in bufs] == [1, 2]  # the round still completes for the late worker
+    del bufs
+    assert live_tensors(12_349) == 0
+
+
+def test_all_gathers_in_flight_together_can_be_waited_on_in_any_order():
+    def worker(backend):
+        first, second = (backend.start_all_gather(torch.full((2,), n, dtype=torch.uint8)) for n in (1, 2))
+        return [b.tolist() for b in second.wait()], [b.tolist() for b in first.wait()]
+
+    for second, first in InProcessBackend.run(2, worker, timeout_s=10):
+        assert (first, second) == ([[1, 1]] * 2, [[2, 2]] * 2)

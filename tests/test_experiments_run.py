@@ -219,6 +219,34 @@ def test_resume_with_the_metrics_removed_is_a_one_line_error(corpus, straight, t
     assert "metrics.jsonl holds no rows of arm 'adamw' seed 0" in capsys.readouterr().err
 
 
+def _truncate_rank1(run_dir):
+    path = run_dir / "checkpoints" / "distro-seed0" / "step36.rank1.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    return path, "is unreadable (RuntimeError: PytorchStreamReader failed reading zip archive"
+
+
+def _put_adamws_file_in_distros_folder(run_dir):
+    path = run_dir / "checkpoints" / "distro-seed0" / "step36.rank0.pt"
+    shutil.copy(run_dir / "checkpoints" / "adamw-seed0" / "step36.rank0.pt", path)
+    return path, "holds another optimizer's state (hyperparameters missing: compression_bits, "
+
+
+@pytest.mark.parametrize("damage", [_truncate_rank1, _put_adamws_file_in_distros_folder],
+                         ids=["truncated", "another-arms-file"])
+def test_resume_from_a_bad_checkpoint_names_the_file_before_any_arm_trains(corpus, straight, tmp_path, capsys,
+                                                                           damage):
+    shutil.copytree(straight, tmp_path / "run")
+    for result in (tmp_path / "run" / "results").iterdir():
+        result.unlink()  # both arms to resume: adamw, whose files are fine, would train first
+    path, problem = damage(tmp_path / "run")
+    before = _files(tmp_path / "run")
+    assert run.main(tiny_args(corpus, tmp_path / "run", steps=40, extra=("--resume",))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: checkpoint {path} {problem}")
+    assert err[0].endswith(f"; move the step36.rank*.pt files out of {path.parent} to resume from step 32")
+    assert _files(tmp_path / "run") == before
+
+
 def test_torn_result_file_does_not_count_as_finished_and_the_arm_is_run_again(corpus, straight, tmp_path):
     shutil.copytree(straight, tmp_path / "run")
     (tmp_path / "run" / "results" / "adamw-seed0.json").write_text('{"arm": "adamw", "se')
