@@ -54,6 +54,18 @@ def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk,
     value_codec(compression_bits)
 
 
+def _with_group_copies(entries):
+    """``entries`` with each param group replaced by a copy of its settings as they are now (tensors
+    cloned: a scheduler updates a tensor lr in place)."""
+    copies = {}
+    for group, _ in entries:
+        if id(group) not in copies:
+            copies[id(group)] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"
+            }
+    return [(copies[id(group)], p) for group, p in entries]
+
+
 class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     """Base class: subclasses choose the momentum input scale and the final update."""
 
@@ -129,6 +141,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         key = (id(group), p.dtype)  # one per group: groups' factors differ; the value is checked
         cached = self._decay_factors.get(key)
         if cached is None or cached[0] != factor:
+            if len(self._decay_factors) > 256:  # overlap mode passes a copy of each group per step
+                self._decay_factors.clear()
             with kept_tensors():
                 tensor = torch.tensor(factor, dtype=p.dtype)
             cached = self._decay_factors[key] = (factor, tensor)
@@ -347,7 +361,10 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
 
             def commit_and_send():  # once step t-1's payloads are valid: a rejected step changes nothing
                 commit()
-                self._pending = (self.comm.start_all_gather(buf), entries, layout)
+                # the update lands at the next step, but with this step's hyperparameters, as when
+                # blocking: a scheduler stepped in between, or a flush by one rank alone (state_dict),
+                # must not change what any worker applies
+                self._pending = (self.comm.start_all_gather(buf), _with_group_copies(entries), layout)
 
             if previous is None:
                 commit_and_send()

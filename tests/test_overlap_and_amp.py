@@ -1,6 +1,7 @@
 """Overlap mode applies each update one step late; GradScaler never desynchronizes workers."""
 import warnings
 
+import pytest
 import torch
 
 from distro_opt import DeMo, DisTrOAdamW
@@ -12,24 +13,32 @@ def fixed_grads(step, shapes):
     return [torch.randn(s, generator=g) for s in shapes]
 
 
-def run_fixed(overlap, steps):
+def run_fixed(overlap, steps, lr="constant"):
+    """DeMo on fixed gradients; ``lr``: "constant", "schedule" (halved every step, with weight decay)
+    or "tensor schedule" (the same, the lr a tensor, which schedulers update in place)."""
     shapes = [(64, 48), (48,)]
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    opt = DeMo(params, lr=0.01, overlap=overlap)
+    params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+    opt = DeMo(params, lr=torch.tensor(0.01) if lr == "tensor schedule" else 0.01, overlap=overlap,
+               weight_decay=0.0 if lr == "constant" else 0.5)
+    schedule = None if lr == "constant" else torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     history = []
     for t in range(steps):
         for p, g in zip(params, fixed_grads(t, shapes)):
             p.grad = g
         opt.step()
+        if schedule is not None:
+            schedule.step()
         history.append([p.detach().clone() for p in params])
     opt.flush()
     return history, [p.detach().clone() for p in params]
 
 
-def test_overlap_applies_each_update_one_step_late():
-    blocking, _ = run_fixed(False, 4)
-    overlapped, final = run_fixed(True, 4)
-    assert all(p.abs().sum() == 0 for p in overlapped[0])  # step 0's update is still travelling
+# with a schedule, step t's update lands at step t + 1 with step t's lr and weight decay, as blocking
+@pytest.mark.parametrize("lr", ["constant", "schedule", "tensor schedule"])
+def test_overlap_applies_each_update_one_step_late(lr):
+    blocking, _ = run_fixed(False, 4, lr)
+    overlapped, final = run_fixed(True, 4, lr)
+    assert all(torch.equal(p, torch.ones_like(p)) for p in overlapped[0])  # step 0's update is still travelling
     for t in range(1, 4):
         assert all(torch.equal(a, b) for a, b in zip(overlapped[t], blocking[t - 1]))
     assert all(torch.equal(a, b) for a, b in zip(final, blocking[3]))  # flush lands the last one
