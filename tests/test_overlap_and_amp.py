@@ -38,7 +38,7 @@ def run_fixed(overlap, steps, lr="constant"):
 def test_overlap_applies_each_update_one_step_late(lr):
     blocking, _ = run_fixed(False, 4, lr)
     overlapped, final = run_fixed(True, 4, lr)
-    assert all(torch.equal(p, torch.ones_like(p)) for p in overlapped[0])  # step 0's update is still travelling
+    assert all(torch.equal(p, torch.ones_like(p)) for p in overlapped[0])  # step 0's update still travels
     for t in range(1, 4):
         assert all(torch.equal(a, b) for a, b in zip(overlapped[t], blocking[t - 1]))
     assert all(torch.equal(a, b) for a, b in zip(final, blocking[3]))  # flush lands the last one
