@@ -10,12 +10,44 @@ from .decoupled import DecoupledMomentumOptimizer, check_hyperparameters
 from .kept import kept_tensors
 
 UPDATES = ("sign", "adam", "rms")
+# A group's settings that, in the local-step mode, are the inner optimizer's (where its groups have them)
+INNER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def default_inner_optimizer(param_groups):
     """AdamW with each group's lr, betas, eps and weight decay: the local-step mode's inner steps."""
-    keys = ("params", "lr", "betas", "eps", "weight_decay")
+    keys = ("params", *INNER_KEYS)
     return torch.optim.AdamW([{k: g[k] for k in keys} for g in param_groups])
+
+
+def _inner_group(group) -> dict:
+    """A new dict of a group's parameters and INNER_KEYS for the inner optimizer: torch's optimizers
+    keep the dict they are given and write their own defaults into it."""
+    return {"params": list(group["params"]), **{k: group[k] for k in INNER_KEYS}}
+
+
+def check_adamw_settings(betas, eps, update, outer_lr, outer_momentum) -> None:
+    """torch-style validation of the settings DisTrOAdamW adds (``not 0.0 <= x``: NaN is rejected)."""
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    if update not in UPDATES:
+        raise ValueError(f"Invalid update: {update!r} (expected one of {UPDATES})")
+    if not 0.0 <= outer_lr:
+        raise ValueError(f"Invalid outer_lr value: {outer_lr}")
+    if not 0.0 <= outer_momentum < 1.0:
+        raise ValueError(f"Invalid outer_momentum value: {outer_momentum}")
+
+
+def _all_finite(tensors) -> bool:
+    """Whether every element is finite, read once (on a GPU a read waits for the device). Tested
+    element by element: a norm in a float16 gradient's own dtype is inf beyond 65504."""
+    if not tensors:
+        return True
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
 class DisTrOAdamW(DecoupledMomentumOptimizer):
@@ -39,6 +71,12 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     feedback, transform and codec; the aggregate G updates the anchor with an outer SGD step
     ``anchor -= outer_lr * (G + mu * m)``, ``m = mu * m + G`` (Nesterov when ``outer_momentum`` mu > 0),
     and every worker restarts from it. One collective per H steps.
+
+    The inner groups take this optimizer's lr, betas, eps and weight_decay (those of the four they
+    have) before every inner step, so schedules act on them; an ``inner_optimizer`` factory gets one
+    new dict per group holding its params and these four, and ``add_param_group`` reaches the inner
+    optimizer too. Under a GradScaler the inner steps take the unscaled gradients, and an overflow
+    skips that inner step only: the sync still sends ``anchor - p``.
 
     The defaults (top-4 of each 64x64 chunk, 1-bit values with a bf16 magnitude per chunk) send
     8.5 bytes per 4096 parameters: 0.0021 bytes per parameter per step, as lean as Psyche's setting.
@@ -69,40 +107,55 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         overlap: bool = False,
     ):
         check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits)
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-        if update not in UPDATES:
-            raise ValueError(f"Invalid update: {update!r} (expected one of {UPDATES})")
+        check_adamw_settings(betas, eps, update, outer_lr, outer_momentum)
         if not (isinstance(sync_every, int) and sync_every >= 1):
             raise ValueError(f"Invalid sync_every value: {sync_every}")
-        if not 0.0 <= outer_lr:
-            raise ValueError(f"Invalid outer_lr value: {outer_lr}")
-        if not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"Invalid outer_momentum value: {outer_momentum}")
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, compression_decay=compression_decay,
             compression_topk=compression_topk, compression_chunk=compression_chunk,
             compression_bits=compression_bits, update=update, outer_lr=outer_lr, outer_momentum=outer_momentum,
         )
+        self._inner = None  # read by add_param_group, which torch's constructor calls
         super().__init__(params, defaults, comm=comm, overlap=overlap)
         self.sync_every = sync_every
-        self._inner = None
         if sync_every > 1:
             if overlap:
                 raise ValueError("overlap=True applies to the per-step mode only (sync_every=1)")
             self._skip_empty_steps = False  # a sync resets every worker to the anchor, contributions or not
-            self._inner = (inner_optimizer or default_inner_optimizer)(self.param_groups)
+            make = inner_optimizer or default_inner_optimizer
+            inner = make([_inner_group(g) for g in self.param_groups])
+            if len(inner.param_groups) != len(self.param_groups):
+                raise ValueError(
+                    f"inner_optimizer has {len(inner.param_groups)} parameter groups, expected "
+                    f"{len(self.param_groups)} (one per group of this optimizer, in order)"
+                )
+            self._inner = inner
 
     def _check_group(self, group) -> None:
         super()._check_group(group)
-        if group["update"] not in UPDATES:
-            raise ValueError(f"Invalid update: {group['update']!r} (expected one of {UPDATES})")
+        check_adamw_settings(
+            group["betas"], group["eps"], group["update"], group["outer_lr"], group["outer_momentum"]
+        )
+
+    def add_param_group(self, param_group) -> None:
+        """As torch's, validated like the constructor's groups; in the local-step mode the inner
+        optimizer, which takes the new parameters' steps, gets the group too."""
+        super().add_param_group(param_group)
+        if self._inner is not None:
+            self._inner.add_param_group(_inner_group(self.param_groups[-1]))
 
     def _momentum_scale(self, group):
         return 1.0
+
+    def _input_unscale(self) -> float:
+        """The pseudo-gradient ``anchor - p`` is in the parameters' units: the loss scale was taken
+        out of the gradients before each inner step (``_inner_step``)."""
+        return 1.0 if self._inner is not None else super()._input_unscale()
+
+    def _scaler_found_inf(self) -> bool:
+        """In the local-step mode a GradScaler overflow skips only that inner step (``_inner_step``);
+        the sync still sends what the interval's other steps did."""
+        return False if self._inner is not None else super()._scaler_found_inf()
 
     # -- local-step mode ---------------------------------------------------------------------------
     def _communicates_this_step(self, entries) -> bool:
@@ -112,16 +165,30 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             for _, p in entries:
                 if "anchor" not in self.state[p]:
                     self.state[p]["anchor"] = p.detach().to(self._work_dtype(p), copy=True)
-            grads = [p.grad for _, p in entries if p.grad is not None]
-            finite = not grads or bool(torch.stack(torch._foreach_norm(grads)).isfinite().all())  # one pass
-            if finite:
-                for inner, outer in zip(self._inner.param_groups, self.param_groups):
-                    inner["lr"] = outer["lr"]  # LR schedulers act on this optimizer's groups
-                self._inner.step()
-        if not finite:
-            warnings.warn("distro-opt: non-finite local gradient; this inner step is skipped")
+            skipped = self._inner_step([p.grad for _, p in entries if p.grad is not None])
+        if skipped:
+            warnings.warn(f"distro-opt: {skipped}; this inner step is skipped")
         local = self.state["local_step"] = self.state.get("local_step", 0) + 1
         return local % self.sync_every == 0
+
+    def _inner_step(self, grads):
+        """One step of the inner optimizer, on unscaled finite gradients, with this optimizer's
+        current settings (schedulers act on its groups); returns why it was skipped, or None.
+
+        GradScaler leaves the unscaling to this optimizer (``_step_supports_amp_scaling``): it sets
+        ``grad_scale`` (None after the user's own ``unscale_``) and ``found_inf`` for the step."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            return "GradScaler found inf/NaN gradients"
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None and grads:
+            torch._foreach_mul_(grads, 1.0 / float(grad_scale))
+        if not _all_finite(grads):
+            return "non-finite local gradient"
+        for inner, outer in zip(self._inner.param_groups, self.param_groups):
+            inner.update({k: outer[k] for k in INNER_KEYS if k in inner})
+        self._inner.step()
+        return None
 
     def _inputs(self, entries):
         if self._inner is None:
@@ -144,8 +211,9 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         nothing changes. Reading the state adds no entry to it (``self.state`` is a defaultdict).
         """
         swapped = []
+        params = [p for g in self.param_groups for p in g["params"]]  # frozen ones too: they drifted before
         with torch.no_grad():
-            for _, p in self._entries():
+            for p in params:
                 anchor = self.state.get(p, {}).get("anchor")
                 if anchor is not None:
                     swapped.append((p, p.detach().clone()))
@@ -182,6 +250,13 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         inner = state_dict.pop("inner", None)
         if (inner is None) != (self._inner is None):
             raise ValueError("checkpoint and optimizer disagree on the local-step mode (sync_every)")
+        if inner is not None:  # torch would refuse it only after this optimizer's state was replaced
+            saved = [len(g["params"]) for g in inner["param_groups"]]
+            expected = [len(g["params"]) for g in self._inner.param_groups]
+            if saved != expected:
+                raise ValueError(
+                    f"checkpoint's inner optimizer has groups of {saved} parameters, expected {expected}"
+                )
         super().load_state_dict(state_dict)
         if inner is not None:
             self._inner.load_state_dict(inner)

@@ -112,6 +112,12 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _momentum_scale(self, group) -> float:
         raise NotImplementedError
 
+    def _input_unscale(self) -> float:
+        """What ``_inputs`` are multiplied by to take out GradScaler's loss scale (``grad_scale``, set
+        by GradScaler for an optimizer with ``_step_supports_amp_scaling``; 1.0 when there is none)."""
+        grad_scale = getattr(self, "grad_scale", None)
+        return 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+
     def _update(self, group, p, direction: torch.Tensor, state) -> None:
         """Apply the aggregated direction to ``p`` (weight decay included).
 
@@ -215,8 +221,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         top-k ranks NaN and inf first, so checking the values to send finds it without another pass
         over the gradients. Those are checked as the receivers will decode them: a finite value
         beyond bf16's (or float32's) range is sent as inf, which every receiver would refuse."""
-        grad_scale = getattr(self, "grad_scale", None)
-        unscale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        unscale = self._input_unscale()
         parts, news = [], [None] * len(entries)
         finite = []  # one flag per segment, read once at the end (on a GPU, a read waits for the device)
         # every buffer a state tensor views, the frozen parameters' included (a new state's zeros are not one)

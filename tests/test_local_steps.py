@@ -1,5 +1,6 @@
 """DisTrOAdamW's local-step mode (sync_every=H): H local steps, one collective, error feedback kept."""
 import io
+import warnings
 
 import pytest
 import torch
@@ -15,17 +16,33 @@ def make_model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
 
 
-def step(model, opt, t, rank=0):
+def step(model, opt, t, rank=0, scaler=None, inf=False):
+    """One training step, under ``scaler`` (a GradScaler) if given; ``inf``: a gradient overflowed."""
     g = torch.Generator().manual_seed(1000 * rank + t)
     x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
     opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    if inf:
+        model[0].weight.grad[0, 0] = float("inf")
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
 
 
 def make_opt(model, **kw):
     return DisTrOAdamW(model.parameters(), lr=0.01, sync_every=H, compression_topk=16, compression_bits=2, **kw)
 
+
+
+def _checkpoint_round_trip(model, opt):
+    """The model's and the optimizer's state, through torch.save and torch.load."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf)
 
 def test_takes_h_local_steps_then_exactly_one_collective():
     model = make_model()
@@ -87,10 +104,7 @@ def test_state_dict_resume_mid_interval_is_bit_identical():
     opt = make_opt(first)
     for t in range(6):  # mid-interval: 2 steps after the sync at step 4
         step(first, opt, t)
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf)
+    ckpt = _checkpoint_round_trip(first, opt)
     resumed = make_model(seed=7)
     resumed.load_state_dict(ckpt["model"])
     opt = make_opt(resumed)
@@ -164,3 +178,187 @@ def test_synced_parameters_before_the_first_step_leave_the_state_empty():
     with opt.synced_parameters():
         pass
     assert opt.state_dict()["state"] == {}
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_inner_steps_under_a_grad_scaler_are_adamw_steps_on_the_unscaled_gradients():
+    model, reference = make_model(), make_model()
+    opt = make_opt(model, eps=1e-3)  # an eps this large: a step on scaled gradients would differ
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    for t in range(H - 1):
+        step(model, opt, t, scaler=scaler)
+        step(reference, ref_opt, t)
+    assert same(model, reference)
+
+
+def test_syncs_under_a_grad_scaler_move_the_model_as_without_one():
+    plain, scaled = make_model(), make_model()
+    opt, scaled_opt = make_opt(plain), make_opt(scaled)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    for t in range(2 * H):
+        step(plain, opt, t)
+        step(scaled, scaled_opt, t, scaler=scaler)
+    assert scaled_opt.comm.stats.steps == 2
+    assert same(plain, scaled)
+
+
+@pytest.mark.parametrize("bad", [1, H - 1], ids=["inner step", "sync step"])
+def test_a_grad_scaler_overflow_skips_only_that_inner_step_and_the_interval_is_still_sent(bad):
+    plain, scaled = make_model(), make_model()
+    opt, scaled_opt = make_opt(plain), make_opt(scaled)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(H):  # without a scaler, the same inf skips the same inner step
+            step(plain, opt, t, inf=t == bad)
+            step(scaled, scaled_opt, t, scaler=scaler, inf=t == bad)
+    assert [str(w.message) for w in caught if "distro-opt" in str(w.message)] == [
+        "distro-opt: non-finite local gradient; this inner step is skipped",
+        "distro-opt: GradScaler found inf/NaN gradients; this inner step is skipped",
+    ]
+    assert scaled_opt.comm.stats.steps == 1 and not same(scaled, make_model())  # the sync moved the model
+    assert same(plain, scaled)
+
+
+def _two_groups(model, added_later):
+    """An optimizer over model[0] (lr 0.01) and model[2] (lr 0.02): built with both groups, or
+    with the first and then ``add_param_group``."""
+    first = {"params": list(model[0].parameters())}
+    second = {"params": list(model[2].parameters()), "lr": 0.02}
+    groups = [first] if added_later else [first, second]
+    opt = DisTrOAdamW(groups, lr=0.01, sync_every=H, compression_topk=16, compression_bits=2)
+    if added_later:
+        opt.add_param_group(second)
+    return opt
+
+
+def test_a_param_group_added_in_the_local_step_mode_takes_inner_adamw_steps():
+    model, reference = make_model(), make_model()
+    opt = _two_groups(model, added_later=True)
+    ref_opt = torch.optim.AdamW(reference[0].parameters(), lr=0.01)
+    ref_opt.add_param_group({"params": reference[2].parameters(), "lr": 0.02})
+    for t in range(H - 1):
+        step(model, opt, t)
+        step(reference, ref_opt, t)
+    assert same(model, reference)
+
+
+def test_a_checkpoint_taken_after_add_param_group_resumes_where_both_groups_were_given_at_once():
+    straight = make_model()
+    opt = _two_groups(straight, added_later=True)
+    for t in range(10):
+        step(straight, opt, t)
+
+    first = make_model()
+    opt = _two_groups(first, added_later=True)
+    for t in range(6):
+        step(first, opt, t)
+    ckpt = _checkpoint_round_trip(first, opt)
+    resumed = make_model(seed=7)
+    resumed.load_state_dict(ckpt["model"])
+    opt = _two_groups(resumed, added_later=False)
+    opt.load_state_dict(ckpt["opt"])
+    for t in range(6, 10):
+        step(resumed, opt, t)
+    assert same(straight, resumed)
+
+
+def test_a_checkpoint_whose_inner_optimizer_lacks_a_group_is_refused_before_anything_changes():
+    saver = make_model()
+    opt = _two_groups(saver, added_later=False)
+    for t in range(H + 1):
+        step(saver, opt, t)
+    ckpt = opt.state_dict()
+    # as saved before add_param_group reached the inner optimizer
+    ckpt["inner"] = {**ckpt["inner"], "param_groups": ckpt["inner"]["param_groups"][:1]}
+    model = make_model()
+    opt = _two_groups(model, added_later=False)
+    step(model, opt, 0)
+    before = io.BytesIO()
+    torch.save(opt.state_dict(), before)
+    with pytest.raises(ValueError, match="inner optimizer"):
+        opt.load_state_dict(ckpt)
+    after = io.BytesIO()
+    torch.save(opt.state_dict(), after)
+    assert before.getvalue() == after.getvalue()
+
+
+def test_betas_eps_and_weight_decay_set_in_param_groups_reach_the_inner_steps():
+    model, reference = make_model(), make_model()
+    opt = make_opt(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    for t in range(H - 1):
+        for o in (opt, ref_opt):  # what a schedule does (OneCycleLR's cycle_momentum: betas)
+            o.param_groups[0].update(betas=(0.9 - 0.05 * t, 0.99), eps=10.0 ** -(3 + t), weight_decay=t / 2)
+        step(model, opt, t)
+        step(reference, ref_opt, t)
+    assert same(model, reference)
+
+
+def sgd(groups):
+    return torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True)
+
+
+def test_an_inner_optimizer_factory_leaves_this_optimizers_groups_as_they_were():
+    model = make_model()
+    opt = make_opt(model, inner_optimizer=sgd)
+    step(model, opt, 0)
+    assert [set(g) for g in opt.param_groups] == [set(g) for g in make_opt(make_model()).param_groups]
+
+
+def test_an_inner_optimizer_without_one_group_per_group_is_refused():
+    model = make_model()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+
+    def merged(inner_groups):
+        return sgd([p for g in inner_groups for p in g["params"]])
+
+    with pytest.raises(ValueError, match="inner_optimizer has 1 parameter groups, expected 2"):
+        DisTrOAdamW(groups, sync_every=H, inner_optimizer=merged)
+
+
+def test_an_inner_optimizer_factory_steps_with_this_optimizers_lr_and_weight_decay():
+    model, reference = make_model(), make_model()
+    opt = make_opt(model, inner_optimizer=sgd, weight_decay=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1)
+    for t in range(H - 1):
+        step(model, opt, t)
+        step(reference, ref_opt, t)
+    assert same(model, reference)
+
+
+def test_synced_parameters_hold_the_agreed_value_of_a_parameter_frozen_mid_interval():
+    models = [make_model() for _ in range(2)]
+
+    def worker(backend):
+        model = models[backend.rank]
+        opt = make_opt(model, comm=backend)
+        for t in range(H):
+            if t == 2:
+                model[0].weight.requires_grad_(False)  # after two inner steps of its own
+            step(model, opt, t, rank=backend.rank)
+        local = model[0].weight.detach().clone()
+        with opt.synced_parameters():
+            inside = [p.detach().clone() for p in model.parameters()]
+        return inside, local, model[0].weight.detach().clone()
+
+    (inside0, local0, after0), (inside1, local1, after1) = InProcessBackend.run(2, worker, timeout_s=60)
+    assert not torch.equal(local0, local1)  # each worker's own drift
+    assert all(torch.equal(a, b) for a, b in zip(inside0, inside1))
+    assert torch.equal(after0, local0) and torch.equal(after1, local1)
+
+
+def test_an_fp16_gradient_whose_norm_is_beyond_fp16s_range_still_takes_its_inner_step():
+    p, ref = (torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.float16)) for _ in range(2))
+    opt = DisTrOAdamW([p], lr=0.01, sync_every=H)
+    ref_opt = torch.optim.AdamW([ref], lr=0.01)
+    p.grad, ref.grad = (torch.full((64, 64), 2000.0, dtype=torch.float16) for _ in range(2))  # norm 128,000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    ref_opt.step()
+    assert p.abs().min() > 0 and torch.equal(p, ref)

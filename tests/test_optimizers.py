@@ -464,6 +464,13 @@ def test_state_is_ordinary_tensors_that_users_can_update_in_place(make, mixed):
     (dict(update="momentum"), "Invalid update: 'momentum'"),
     (dict(compression_topk=0), "Invalid compression_topk value: 0"),
     (dict(lr=-0.5), "Invalid learning rate: -0.5"),
+    (dict(betas=(1.5, 0.9)), "Invalid beta parameter at index 0: 1.5"),
+    (dict(betas=(0.9, float("nan"))), "Invalid beta parameter at index 1: nan"),
+    (dict(eps=-1.0), "Invalid epsilon value: -1.0"),
+    (dict(eps=float("nan")), "Invalid epsilon value: nan"),
+    (dict(outer_lr=-1.0), "Invalid outer_lr value: -1.0"),
+    (dict(outer_momentum=1.5), "Invalid outer_momentum value: 1.5"),
+    (dict(outer_momentum=float("nan")), "Invalid outer_momentum value: nan"),
 ])
 def test_per_group_settings_are_validated_like_the_constructor(group, message):
     model = make_model()
@@ -649,3 +656,10 @@ def test_weight_decay_of_groups_with_their_own_learning_rates():
         want_a.mul_(1 - 0.1 * 0.1)
         want_b.mul_(1 - 0.3 * 0.2)
         assert torch.equal(a.detach(), want_a) and torch.equal(b.detach(), want_b)
+
+
+def test_add_param_group_validates_the_adam_and_outer_step_settings():
+    model = make_model()
+    opt = DisTrOAdamW(model[0].parameters(), sync_every=4)
+    with pytest.raises(ValueError, match="Invalid outer_momentum value: 1.0"):
+        opt.add_param_group({"params": model[2].parameters(), "outer_momentum": 1.0})
