@@ -31,6 +31,8 @@ from .transform import DCTTransform
 
 # How state[p]["delta"] is laid out (see state_dict); "chunk rows" is the layout before it.
 DELTA_LAYOUT = "tensor"
+# State tensors of a parameter's shape (DisTrOAdamW's Adam update and local-step mode add some).
+PARAM_SHAPED_STATE = ("delta", "exp_avg", "exp_avg_sq", "anchor", "outer_momentum_buffer")
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -399,38 +401,37 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         ``state[p]["delta"]`` (the error-feedback momentum, DCT domain) has ``p``'s shape: element
         [i, j] of a 2-D one is coefficient (i mod c_1, j mod c_2) of chunk (i // c_1, j // c_2).
         The ``delta_layout`` entry says so; checkpoints without it (distro-opt before it) kept one
-        (chunks, coefficients) row per chunk and are converted on loading."""
+        (chunks, coefficients) row per chunk and are converted on loading. ``optimizer`` names the
+        class: DeMo's momentum is scaled by the lr, DisTrOAdamW's is not, so one cannot resume the
+        other."""
         self.flush()
         sd = super().state_dict()
         sd["delta_layout"] = DELTA_LAYOUT
+        sd["optimizer"] = type(self).__name__
         return sd
 
     def load_state_dict(self, state_dict):
         """As torch's, but buffers keep their saved dtype: torch would cast them to the parameter's
-        dtype, and a bf16 model's float32 error-feedback buffer would lose its low bits. A checkpoint
-        whose error-feedback buffers do not fit the parameters is refused before anything changes."""
+        dtype, and a bf16 model's float32 error-feedback buffer would lose its low bits.
+
+        Everything is checked before anything changes (``_check_checkpoint``): the optimizer class,
+        every group's settings (a checkpoint of torch's AdamW lacks the compression settings), and
+        each parameter's state (step and delta together, a finite floating-point delta, every
+        parameter-shaped tensor of the parameter's shape)."""
         state_dict = dict(state_dict)
-        delta_layout = state_dict.pop("delta_layout", "chunk rows")
-        if delta_layout not in (DELTA_LAYOUT, "chunk rows"):
+        saved_class = state_dict.pop("optimizer", type(self).__name__)
+        if saved_class != type(self).__name__:
+            raise ValueError(
+                f"checkpoint is of a {saved_class}, not a {type(self).__name__}: it cannot be resumed here"
+            )
+        delta_layout = state_dict.pop("delta_layout", None)
+        if delta_layout not in (None, DELTA_LAYOUT, "chunk rows"):
             raise ValueError(f"checkpoint has an unknown delta_layout {delta_layout!r} (expected {DELTA_LAYOUT!r})")
         params = [p for g in self.param_groups for p in g["params"]]
-        chunk_target = {id(p): g["compression_chunk"] for g in self.param_groups for p in g["params"]}
-        chunks = {}
-        for index, saved in state_dict["state"].items():
-            if isinstance(index, int) and index < len(params) and "delta" in saved:
-                p = params[index]
-                chunks[index] = self._transform.chunk_shape(tuple(p.shape), chunk_target[id(p)])
-                expected = tuple(p.shape)
-                if delta_layout == "chunk rows":
-                    expected = (p.numel() // math.prod(chunks[index]), math.prod(chunks[index]))
-                if tuple(saved["delta"].shape) != expected:
-                    raise ValueError(
-                        f"checkpoint's delta for parameter {index} has shape {tuple(saved['delta'].shape)}, "
-                        f"expected {expected} (delta_layout {delta_layout!r})"
-                    )
-        self._pending = None
-        self._stacks.reset()  # the loaded momentum may be views of these; start from fresh buffers
+        row_deltas = self._check_checkpoint(state_dict, params, delta_layout)
         super().load_state_dict(state_dict)
+        self._pending = None  # only once the load succeeded: a refused one keeps the update in flight
+        self._stacks.reset()  # the loaded momentum may be views of these; start from fresh buffers
         for index, saved in state_dict["state"].items():
             if isinstance(index, int) and index < len(params):
                 p = params[index]
@@ -438,6 +439,67 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 for key, value in saved.items():
                     if torch.is_tensor(value) and key != "step" and state[key].dtype != value.dtype:
                         state[key] = value.to(device=p.device, copy=True)
-                if index in chunks and delta_layout == "chunk rows":
+                if index in row_deltas:
                     shape = tuple(p.shape) or (1,)
-                    state["delta"] = self._transform.unchunk(state["delta"], shape, chunks[index]).view(p.shape)
+                    rows = self._transform.unchunk(state["delta"], shape, row_deltas[index])
+                    state["delta"] = rows.view(p.shape)
+
+    def _check_checkpoint(self, state_dict, params, delta_layout) -> dict[int, tuple[int, ...]]:
+        """Refuse a checkpoint this optimizer cannot resume, naming what is wrong; return the chunk
+        shape of each delta saved as (chunks, coefficients) rows (the layout before ``DELTA_LAYOUT``),
+        taken with the checkpoint's own compression_chunk. Without a ``delta_layout`` entry each delta
+        is told by its shape (the two layouts have one shape only where they are one layout)."""
+        groups = state_dict.get("param_groups", [])
+        required = set.intersection(*(set(g) for g in self.param_groups)) - {"params"}
+        chunk_target = {}
+        for i, group in enumerate(groups):
+            missing = sorted(required - set(group))
+            if missing:
+                raise ValueError(
+                    f"checkpoint's param group {i} lacks {', '.join(missing)}: not a checkpoint of a "
+                    f"{type(self).__name__}"
+                )
+            try:
+                self._check_group(group)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint's param group {i}: {exc}") from None
+            chunk_target.update({index: group["compression_chunk"] for index in group.get("params", [])})
+        row_deltas = {}
+        for index, saved in state_dict.get("state", {}).items():
+            if not (isinstance(index, int) and index < len(params)):
+                continue
+            p = params[index]
+            if ("delta" in saved) != ("step" in saved):
+                raise ValueError(
+                    f"checkpoint's state of parameter {index} has one of delta and step without the other"
+                )
+            for key in PARAM_SHAPED_STATE:
+                value = saved.get(key)
+                if value is None or key == "delta":
+                    continue
+                if not torch.is_tensor(value) or tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"checkpoint's {key} of parameter {index} is not a tensor of its shape "
+                        f"{tuple(p.shape)}"
+                    )
+            delta = saved.get("delta")
+            if delta is None:
+                continue
+            if not (torch.is_tensor(delta) and delta.is_floating_point()):
+                raise ValueError(f"checkpoint's delta of parameter {index} is not a floating-point tensor")
+            if not bool(torch.isfinite(delta).all()):
+                raise ValueError(f"checkpoint's delta of parameter {index} holds non-finite values")
+            target = chunk_target.get(index, self.defaults["compression_chunk"])
+            chunk = self._transform.chunk_shape(tuple(p.shape), target)
+            rows = (p.numel() // math.prod(chunk), math.prod(chunk))
+            shape = tuple(delta.shape)
+            as_rows = shape == rows if delta_layout is None else delta_layout == "chunk rows"
+            expected = rows if as_rows else tuple(p.shape)
+            if shape != expected:
+                raise ValueError(
+                    f"checkpoint's delta for parameter {index} has shape {shape}, expected {expected} "
+                    f"(delta_layout {delta_layout or 'tensor'!r})"
+                )
+            if as_rows and rows != tuple(p.shape):
+                row_deltas[index] = chunk
+        return row_deltas

@@ -591,6 +591,63 @@ def test_checkpoint_with_an_unknown_delta_layout_or_wrong_shape_is_refused():
     assert all(torch.equal(target.state[p]["delta"], d) for p, d in before.items())  # nothing changed
 
 
+def _trained_state(model, cls=DisTrOAdamW, **settings):
+    opt = cls(model.parameters(), lr=0.01, **settings)
+    train(model, opt, 1)
+    return opt.state_dict()
+
+
+def _edited(saved, group=None, state0=None):
+    """A copy of ``saved`` with ``group`` set in its first param group and ``state0`` applied to the
+    state of parameter 0."""
+    saved = dict(saved, param_groups=[dict(g) for g in saved["param_groups"]],
+                 state={i: dict(st) for i, st in saved["state"].items()})
+    saved["param_groups"][0].update(group or {})
+    if state0 is not None:
+        state0(saved["state"][0])
+    return saved
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m: _trained_state(m, DeMo), "checkpoint is of a DeMo, not a DisTrOAdamW"),
+    (lambda m: _trained_state(m, torch.optim.AdamW), "group 0 lacks compression_bits, compression_chunk"),
+    (lambda m: _edited(_trained_state(m), group={"lr": -0.01}), "group 0: Invalid learning rate: -0.01"),
+    (lambda m: _edited(_trained_state(m), group={"update": "lion"}), "param group 0: Invalid update: 'lion'"),
+    (lambda m: _edited(_trained_state(m), state0=lambda st: st.pop("step")), "one of delta and step"),
+    (lambda m: _edited(_trained_state(m), state0=lambda st: st.update(delta=st["delta"].long())),
+     "delta of parameter 0 is not a floating-point tensor"),
+    (lambda m: _edited(_trained_state(m), state0=lambda st: st.update(delta=st["delta"] * float("nan"))),
+     "delta of parameter 0 holds non-finite values"),
+    (lambda m: _edited(_trained_state(m, update="adam"),
+                       state0=lambda st: st.update(exp_avg=st["exp_avg"][1:])),
+     r"exp_avg of parameter 0 is not a tensor of its shape \(32, 16\)"),
+], ids=["DeMo's", "torch AdamW's", "negative lr", "unknown update", "no step", "integer delta", "NaN delta",
+        "exp_avg of another shape"])
+def test_a_checkpoint_this_optimizer_cannot_resume_is_refused_before_anything_changes(make, match):
+    model = make_model()
+    saved = make(model)
+    target = DisTrOAdamW(model.parameters(), lr=0.01, update="adam")
+    train(model, target, 1)
+    before = [{k: v.clone() for k, v in target.state[p].items()} for p in model.parameters()]
+    groups = [dict(g, params=None) for g in target.param_groups]
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(saved)
+    for p, state in zip(model.parameters(), before):
+        assert all(torch.equal(state[k], target.state[p][k]) for k in state)
+    assert [dict(g, params=None) for g in target.param_groups] == groups
+
+
+def test_a_checkpoint_without_its_delta_layout_entry_is_told_by_the_shapes():
+    model = make_model(width=128)
+    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    del saved["delta_layout"]
+    fresh = DisTrOAdamW(model.parameters(), lr=0.01)
+    fresh.load_state_dict(saved)
+    assert all(torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"]) for p in model.parameters())
+
+
 def test_run_peaks_taken_during_the_transform_select_what_a_separate_pass_selects(monkeypatch):
     """On the CPU in float32 the forward transform hands the top-k each run's peak, taken from cache
     (``DCTTransform.accumulate(peaks=...)``). The steps must be bit-identical to ones where the top-k
