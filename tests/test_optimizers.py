@@ -554,21 +554,26 @@ def test_error_feedback_buffer_is_the_dct_of_the_gradient_minus_what_was_sent_in
             np.testing.assert_allclose(delta[sl].numpy(), coeffs, atol=1e-5)
 
 
-def test_checkpoint_with_chunk_rows_from_an_older_version_loads_into_the_parameters_layout():
+# the old layout is read with the checkpoint's own chunk size, whatever the loading optimizer's is
+@pytest.mark.parametrize("saved_chunk, loading_chunk", [(64, 64), (16, 64)])
+def test_checkpoint_with_chunk_rows_from_an_older_version_loads_into_the_parameters_layout(
+    saved_chunk, loading_chunk
+):
     from distro_opt import DCTTransform
 
     model = make_model(width=128)
-    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    opt = DisTrOAdamW(model.parameters(), lr=0.01, compression_chunk=saved_chunk)
     train(model, opt, 2)
     saved = opt.state_dict()
     assert saved["delta_layout"] == "tensor"
     shapes = [tuple(p.shape) for p in model.parameters()]
-    assert not all(DCTTransform.own_layout_is_chunk_major(s, DCTTransform.chunk_shape(s, 64)) for s in shapes)
+    chunks = [DCTTransform.chunk_shape(s, saved_chunk) for s in shapes]
+    assert not all(DCTTransform.own_layout_is_chunk_major(s, c) for s, c in zip(shapes, chunks))
     old_format = {"state": {}, "param_groups": saved["param_groups"]}  # as distro-opt saved it before
     for (i, s), p in zip(saved["state"].items(), model.parameters()):
-        chunk = DCTTransform.chunk_shape(tuple(p.shape), 64)
+        chunk = DCTTransform.chunk_shape(tuple(p.shape), saved_chunk)
         old_format["state"][i] = dict(s, delta=DCTTransform.chunk_rows(s["delta"], chunk).clone())
-    fresh = DisTrOAdamW(model.parameters(), lr=0.01)
+    fresh = DisTrOAdamW(model.parameters(), lr=0.01, compression_chunk=loading_chunk)
     fresh.load_state_dict(old_format)
     for p in model.parameters():
         assert torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"])
@@ -589,6 +594,25 @@ def test_checkpoint_with_an_unknown_delta_layout_or_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="delta for parameter 0 has shape"):
         target.load_state_dict(bad)
     assert all(torch.equal(target.state[p]["delta"], d) for p, d in before.items())  # nothing changed
+
+
+def test_a_refused_load_keeps_the_overlap_update_in_flight():
+    """torch refuses a checkpoint of another number of groups only inside its load_state_dict: the
+    update still travelling must survive that, as if the load had not been tried."""
+    runs = []
+    for refused in (False, True):
+        model = make_model()
+        opt = DisTrOAdamW(model.parameters(), lr=0.01, overlap=True)
+        train(model, opt, 2)
+        if refused:  # a checkpoint of a twin with two groups (opt.state_dict() would flush opt)
+            twin = make_model()
+            other = DisTrOAdamW([{"params": twin[0].parameters()}, {"params": twin[2].parameters()}], lr=0.01)
+            train(twin, other, 1)
+            with pytest.raises(ValueError, match="different number of parameter groups"):
+                opt.load_state_dict(other.state_dict())
+        opt.flush()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def _trained_state(model, cls=DisTrOAdamW, **settings):
