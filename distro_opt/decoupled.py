@@ -102,7 +102,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         """As torch's, then the group's own settings are validated like the constructor's, so a bad
         per-group value fails here rather than silently doing something else at the first step."""
         super().add_param_group(param_group)
-        self._check_group(self.param_groups[-1])
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
 
     def _check_group(self, group) -> None:
         check_hyperparameters(

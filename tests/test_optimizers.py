@@ -744,3 +744,9 @@ def test_add_param_group_validates_the_adam_and_outer_step_settings():
     opt = DisTrOAdamW(model[0].parameters(), sync_every=4)
     with pytest.raises(ValueError, match="Invalid outer_momentum value: 1.0"):
         opt.add_param_group({"params": model[2].parameters(), "outer_momentum": 1.0})
+    # refused, so not kept: the same parameters can then be added with valid settings
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": model[2].parameters(), "outer_momentum": 0.5})
+    before = model[2].weight.detach().clone()
+    train(model, opt, 1)  # an inner step: the added layer moves
+    assert len(opt.param_groups) == 2 and not torch.equal(before, model[2].weight)
