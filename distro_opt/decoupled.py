@@ -150,6 +150,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64):
             p.mul_(factor)
             return
+        if isinstance(factor, torch.Tensor):  # a tensor lr (on the CPU here): its value, once
+            factor = factor.item()
         key = (id(group), p.dtype)  # one per group: groups' factors differ; the value is checked
         cached = self._decay_factors.get(key)
         if cached is None or cached[0] != factor:
