@@ -454,7 +454,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         """Refuse a checkpoint this optimizer cannot resume, naming what is wrong; return the chunk
         shape of each delta saved as (chunks, coefficients) rows (the layout before ``DELTA_LAYOUT``),
         taken with the checkpoint's own compression_chunk. Without a ``delta_layout`` entry each delta
-        is told by its shape (the two layouts have one shape only where they are one layout)."""
+        is told by its shape; where both layouts have its shape (an (n, 4096) matrix of 64x64 chunks)
+        it is read as rows, as it was before that entry existed."""
         groups = state_dict.get("param_groups", [])
         required = set.intersection(*(set(g) for g in self.param_groups)) - {"params"}
         chunk_target = {}
@@ -506,6 +507,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                     f"checkpoint's delta for parameter {index} has shape {shape}, expected {expected} "
                     f"(delta_layout {delta_layout or 'tensor'!r})"
                 )
-            if as_rows and rows != tuple(p.shape):
+            same_layout = rows == tuple(p.shape) and self._transform.own_layout_is_chunk_major(p.shape, chunk)
+            if as_rows and not same_layout:
                 row_deltas[index] = chunk
         return row_deltas

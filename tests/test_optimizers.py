@@ -596,6 +596,25 @@ def test_checkpoint_with_an_unknown_delta_layout_or_wrong_shape_is_refused():
     assert all(torch.equal(target.state[p]["delta"], d) for p, d in before.items())  # nothing changed
 
 
+def test_an_old_checkpoint_whose_rows_have_the_parameters_shape_is_still_read_as_rows():
+    """A (128, 4096) matrix of 64x64 chunks has 128 chunk rows of 4096: its shape either way. A
+    checkpoint without a delta_layout entry is then read as rows, as before that entry existed."""
+    from distro_opt import DCTTransform
+
+    p = torch.nn.Parameter(torch.randn(128, 4096, generator=torch.Generator().manual_seed(0)))
+    opt = DisTrOAdamW([p], lr=0.01)
+    for _ in range(2):
+        p.grad = torch.randn(128, 4096, generator=torch.Generator().manual_seed(1))
+        opt.step()
+    saved = opt.state_dict()
+    rows = DCTTransform.chunk_rows(saved["state"][0]["delta"], (64, 64)).clone()
+    assert rows.shape == p.shape and not torch.equal(rows, saved["state"][0]["delta"])
+    fresh = DisTrOAdamW([p], lr=0.01)
+    old_format = {"state": {0: dict(saved["state"][0], delta=rows)}, "param_groups": saved["param_groups"]}
+    fresh.load_state_dict(old_format)
+    assert torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"])
+
+
 def test_a_refused_load_keeps_the_overlap_update_in_flight():
     """torch refuses a checkpoint of another number of groups only inside its load_state_dict: the
     update still travelling must survive that, as if the load had not been tried."""
