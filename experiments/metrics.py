@@ -15,11 +15,12 @@ Byte conventions come from ``CommStats`` only (``distro_opt.comm.base``):
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 
 from distro_opt.comm import CommStats
+
+from .files import write_atomic
 
 BF16_BYTES = 2
 
@@ -127,9 +128,7 @@ def truncate_metrics(path: Path, arm: str, seed: int, keep_through: int | None) 
         for r in read_metrics(path)
         if not (r["arm"] == arm and r["seed"] == seed and (keep_through is None or r["step"] > keep_through))
     ]
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def job_rows(rows: list[dict], arm: str, seed: int) -> list[dict]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .files import write_atomic
+
 COMPRESSION = {"topk": 8, "chunk": 64, "bits": 8}
 
 
@@ -235,9 +237,7 @@ def main(argv=None) -> int:
     backend.payload_validator = payload_validator(opt)
     print(f"peer {backend.peer_id} maddrs {' '.join(backend.visible_maddrs)}", flush=True)
     if args.maddrs_file:
-        with open(args.maddrs_file + ".tmp", "w") as f:
-            f.write("\n".join(backend.visible_maddrs))
-        os.replace(args.maddrs_file + ".tmp", args.maddrs_file)  # readers never see a half-written file
+        write_atomic(args.maddrs_file, "\n".join(backend.visible_maddrs))  # readers never see half of it
     t0 = time.monotonic()
     summary = {"peer": backend.peer_id, "steps": [], "resyncs": 0}
     published: dict[int, str] = {}  # our replica checksums by step, until compared with the others'

@@ -27,6 +27,7 @@ from .arms import check_arm, parse_arms
 from .checkpoint import CheckpointStore
 from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail, os_error_message
 from .data import CorpusError, check_corpus_fits, load_corpus
+from .files import write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
 from .train import Job, LossTable, StopSignal, check_resumable, run_worker
@@ -78,14 +79,6 @@ def _identity(config: dict) -> dict:
     for k in _NOT_IDENTITY:
         ident["preset"].pop(k, None)
     return ident
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and a rename: a kill mid-write leaves the old file or none, never
-    a torn one that a resume would take for a finished arm or a run's identity."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _read_config(cfg_path: Path) -> dict:
