@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from .decoupled import DecoupledMomentumOptimizer, check_hyperparameters
+from .decoupled import DecoupledMomentumOptimizer, all_finite, check_hyperparameters
 from .kept import kept_tensors
 
 UPDATES = ("sign", "adam", "rms")
@@ -15,9 +15,9 @@ INNER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def default_inner_optimizer(param_groups):
-    """AdamW with each group's lr, betas, eps and weight decay: the local-step mode's inner steps."""
-    keys = ("params", *INNER_KEYS)
-    return torch.optim.AdamW([{k: g[k] for k in keys} for g in param_groups])
+    """AdamW over the groups ``_inner_group`` makes (each group's params, lr, betas, eps and weight
+    decay): the local-step mode's inner steps."""
+    return torch.optim.AdamW(param_groups)
 
 
 def _inner_group(group) -> dict:
@@ -39,15 +39,6 @@ def check_adamw_settings(betas, eps, update, outer_lr, outer_momentum) -> None:
         raise ValueError(f"Invalid outer_lr value: {outer_lr}")
     if not 0.0 <= outer_momentum < 1.0:
         raise ValueError(f"Invalid outer_momentum value: {outer_momentum}")
-
-
-def _all_finite(tensors) -> bool:
-    """Whether every element is finite, read once (on a GPU a read waits for the device). Tested
-    element by element: a norm in a float16 gradient's own dtype is inf beyond 65504."""
-    if not tensors:
-        return True
-    flags = [torch.isfinite(t).all() for t in tensors]
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
 class DisTrOAdamW(DecoupledMomentumOptimizer):
@@ -177,13 +168,12 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
 
         GradScaler leaves the unscaling to this optimizer (``_step_supports_amp_scaling``): it sets
         ``grad_scale`` (None after the user's own ``unscale_``) and ``found_inf`` for the step."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) > 0:
+        if self._scaler_overflowed():
             return "GradScaler found inf/NaN gradients"
-        grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None and grads:
-            torch._foreach_mul_(grads, 1.0 / float(grad_scale))
-        if not _all_finite(grads):
+        unscale = super()._input_unscale()  # the loss scale's inverse (this class's own is 1 here)
+        if unscale != 1.0 and grads:
+            torch._foreach_mul_(grads, unscale)
+        if not all_finite(grads):
             return "non-finite local gradient"
         for inner, outer in zip(self._inner.param_groups, self.param_groups):
             inner.update({k: outer[k] for k in INNER_KEYS if k in inner})

@@ -56,6 +56,16 @@ def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk,
     value_codec(compression_bits)
 
 
+def all_finite(tensors) -> bool:
+    """Whether every element of ``tensors`` is finite, read once at the end (on a GPU a read waits
+    for the device). Tested element by element: a norm in a float16 tensor's own dtype is inf beyond
+    65504."""
+    if not tensors:
+        return True
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+
+
 def _with_group_copies(entries):
     """``entries`` with each param group replaced by a copy of its settings as they are now (tensors
     cloned: a scheduler updates a tensor lr in place)."""
@@ -214,9 +224,15 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         """What each parameter feeds into its momentum this step: its gradient (None: no gradient)."""
         return [p.grad for _, p in entries]
 
-    def _scaler_found_inf(self) -> bool:
+    def _scaler_overflowed(self) -> bool:
+        """Whether GradScaler found inf/NaN in this step's gradients (``found_inf``, which it sets for
+        an optimizer with ``_step_supports_amp_scaling``, as it sets ``grad_scale``)."""
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) > 0:
+        return found_inf is not None and float(found_inf) > 0
+
+    def _scaler_found_inf(self) -> bool:
+        """``_scaler_overflowed``, with the warning that this worker contributes nothing this step."""
+        if self._scaler_overflowed():
             warnings.warn("distro-opt: GradScaler found inf/NaN gradients; this worker contributes nothing this step")
             return True
         return False
@@ -231,7 +247,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         beyond bf16's (or float32's) range is sent as inf, which every receiver would refuse."""
         unscale = self._input_unscale()
         parts, news = [], [None] * len(entries)
-        finite = []  # one flag per segment, read once at the end (on a GPU, a read waits for the device)
+        sents = []  # what each segment sends, checked at the end (``all_finite``)
         # every buffer a state tensor views, the frozen parameters' included (a new state's zeros are not one)
         states = [st for st in self.state.values() if isinstance(st, dict) and "delta" in st]
         in_use = {st["delta"].untyped_storage().data_ptr() for st in states}
@@ -252,13 +268,13 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 )
             idx, kept, feedback = self._stacks.select(layout, j, seg, stack, peaks if filled else None)
             vbytes, sent = value_codec(seg.bits).encode(kept)
-            finite.append(torch.isfinite(sent).all())
+            sents.append(sent)
             feedback(sent)  # error feedback: keep what was not sent
             parts.append((idx, vbytes))
             with kept_tensors():  # the new state: views of the kept buffer, copies where dtypes mix
                 for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
                     news[m] = _as_dtype(stack[start * n : end * n].view(d.shape), d.dtype)
-        if finite and not bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
+        if not all_finite(sents):
             warnings.warn(
                 "distro-opt: non-finite local gradient (or momentum beyond the range of compression_bits' "
                 "values); this worker contributes nothing this step"
