@@ -215,6 +215,16 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
                 for p, local in swapped:
                     p.copy_(local)
 
+    def _apply(self, entries, layout, decoded):
+        super()._apply(entries, layout, decoded)
+        if self._inner is not None:  # a sync: every worker restarts from the anchor, frozen parameters too
+            trained = {id(p) for _, p in entries}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    anchor = self.state.get(p, {}).get("anchor")
+                    if anchor is not None and id(p) not in trained:
+                        p.copy_(anchor)  # frozen mid-interval: its local steps since then are dropped
+
     def _outer_update(self, group, p, direction, state):
         mu = group["outer_momentum"]
         if mu > 0:

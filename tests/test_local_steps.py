@@ -337,7 +337,7 @@ def test_synced_parameters_hold_the_agreed_value_of_a_parameter_frozen_mid_inter
     def worker(backend):
         model = models[backend.rank]
         opt = make_opt(model, comm=backend)
-        for t in range(H):
+        for t in range(H - 1):
             if t == 2:
                 model[0].weight.requires_grad_(False)  # after two inner steps of its own
             step(model, opt, t, rank=backend.rank)
@@ -350,6 +350,24 @@ def test_synced_parameters_hold_the_agreed_value_of_a_parameter_frozen_mid_inter
     assert not torch.equal(local0, local1)  # each worker's own drift
     assert all(torch.equal(a, b) for a, b in zip(inside0, inside1))
     assert torch.equal(after0, local0) and torch.equal(after1, local1)
+
+
+def test_a_parameter_frozen_mid_interval_goes_back_to_the_last_syncs_value_at_the_next_sync():
+    models = [make_model() for _ in range(2)]
+    start = make_model()[0].weight.detach().clone()  # the first anchor: the starting point
+
+    def worker(backend):
+        model = models[backend.rank]
+        opt = make_opt(model, comm=backend)
+        for t in range(H):
+            if t == 2:
+                model[0].weight.requires_grad_(False)  # after two inner steps of its own
+            step(model, opt, t, rank=backend.rank)
+        return [p.detach().clone() for p in model.parameters()]
+
+    after0, after1 = InProcessBackend.run(2, worker, timeout_s=60)
+    assert torch.equal(after0[0], start) and torch.equal(after1[0], start)
+    assert all(torch.equal(a, b) for a, b in zip(after0, after1))  # the replicas agree after the sync
 
 
 def test_an_fp16_gradient_whose_norm_is_beyond_fp16s_range_still_takes_its_inner_step():
