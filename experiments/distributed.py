@@ -53,12 +53,12 @@ def main_distributed(args, preset, arms) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"
     preset = type(preset)(**{**preset.__dict__, "workers": world, "device": device})
-    error = None
+    error, lock = None, None
     try:
         corpus = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
         check_corpus_fits(corpus, seq_len=preset.seq_len, workers=world, sharding=preset.sharding)
         if rank == 0:
-            prepare_out_dir(args.out, run_config(preset, arms, world, corpus.vocab_size), args.resume)
+            lock = prepare_out_dir(args.out, run_config(preset, arms, world, corpus.vocab_size), args.resume)
     except (CorpusError, UsageError, ValueError) as exc:
         error = str(exc)
     except OSError as exc:
@@ -66,6 +66,8 @@ def main_distributed(args, preset, arms) -> int:
     errors = [None] * world
     dist.all_gather_object(errors, error)  # every rank stops if any rank cannot start
     if any(errors):
+        if lock is not None:
+            lock.close()
         dist.destroy_process_group()
         return fail(next(e for e in errors if e))
     backend = resolve_backend()
@@ -102,6 +104,8 @@ def main_distributed(args, preset, arms) -> int:
             finish(args.out, plots=not args.no_plots)
             print((args.out / "summary.md").read_text())
     finally:
+        if lock is not None:
+            lock.close()
         backend.close()
         dist.destroy_process_group()
     return 0

@@ -13,3 +13,23 @@ def write_atomic(path: Path | str, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+LOCK_NAME = ".lock"
+
+
+def lock_directory(directory: Path):
+    """An exclusive lock on ``directory`` (``fcntl.flock`` on a ``.lock`` file in it), held until the
+    returned file is closed or the process ends (a killed run leaves no stale lock); None where the
+    platform has no flock. Raises BlockingIOError while another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
+    handle = open(Path(directory) / LOCK_NAME, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        handle.close()
+        raise
+    return handle

@@ -27,7 +27,7 @@ from .arms import check_arm, parse_arms
 from .checkpoint import CheckpointStore
 from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail, os_error_message
 from .data import CorpusError, check_corpus_fits, load_corpus
-from .files import write_atomic
+from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
 from .train import Job, LossTable, StopSignal, check_resumable, run_worker
@@ -99,10 +99,38 @@ def _read_config(cfg_path: Path) -> dict:
     return config
 
 
-def prepare_out_dir(out: Path, config: dict, resume: bool) -> None:
+def prepare_out_dir(out: Path, config: dict, resume: bool):
     """Refuse to mix runs: a new run needs an empty or absent --out; --resume needs the same run there,
-    with readable metrics."""
+    with readable metrics. Returns the lock on --out (``lock_directory``; close it when the run ends):
+    a second run in the same directory, started while this one runs, is refused instead of writing
+    into its files."""
     cfg_path = out / "config.json"
+    if out.exists() and (not out.is_dir() or not cfg_path.exists() and _holds_files(out)):
+        raise UsageError(f"{out} exists and is not an empty directory; choose another --out")
+    if resume and not cfg_path.exists():
+        raise UsageError(f"nothing to resume: {out} holds no run")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = lock_directory(out)
+    except BlockingIOError:
+        raise UsageError(
+            f"{out} is in use by another run; wait for it to end, or choose another --out"
+        ) from None
+    try:
+        _check_or_start(out, cfg_path, config, resume)
+    except BaseException:
+        if lock is not None:
+            lock.close()
+        raise
+    return lock
+
+
+def _holds_files(out: Path) -> bool:
+    return any(f.name != LOCK_NAME for f in out.iterdir())
+
+
+def _check_or_start(out: Path, cfg_path: Path, config: dict, resume: bool) -> None:
+    """Under the lock: the run in --out must be this one (resume), or --out must still be empty."""
     if cfg_path.exists():
         old = _read_config(cfg_path)
         if not resume:
@@ -122,9 +150,8 @@ def prepare_out_dir(out: Path, config: dict, resume: bool) -> None:
         return
     if resume:
         raise UsageError(f"nothing to resume: {out} holds no run")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if _holds_files(out):
         raise UsageError(f"{out} exists and is not an empty directory; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results").mkdir()
     write_atomic(cfg_path, json.dumps(config, indent=1))
 
@@ -232,13 +259,26 @@ def run_in_process(args, preset: Preset, arms) -> int:
         corpus = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
         check_corpus_fits(corpus, seq_len=preset.seq_len, workers=preset.workers, sharding=preset.sharding)
         config = run_config(preset, arms, preset.workers, corpus.vocab_size)
-        prepare_out_dir(args.out, config, args.resume)
-        if args.resume:
-            check_checkpoints(args.out, preset, arms, corpus)
-    except (CorpusError, UsageError, ValueError) as exc:  # CheckpointError is a ValueError
+        lock = prepare_out_dir(args.out, config, args.resume)
+    except (CorpusError, UsageError, ValueError) as exc:
         return fail(str(exc))
     except OSError as exc:
         return fail(os_error_message(exc))
+    try:
+        return _train_in_process(args, preset, arms, corpus)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train_in_process(args, preset: Preset, arms, corpus) -> int:
+    if args.resume:
+        try:
+            check_checkpoints(args.out, preset, arms, corpus)
+        except ValueError as exc:  # CheckpointError
+            return fail(str(exc))
+        except OSError as exc:
+            return fail(os_error_message(exc))
     stop = StopSignal()
     previous = {s: signal.signal(s, stop.request) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -287,6 +287,37 @@ def test_output_dir_holding_a_different_run_is_refused_and_left_alone(corpus, st
     assert {p: p.read_bytes() for p in straight.rglob("*") if p.is_file()} == before
 
 
+def _hold_lock_in_another_process(directory):
+    """A process that holds ``directory``'s run lock until it is killed (as a running run does)."""
+    code = (
+        "import sys, time\n"
+        "from distro_opt.experiments.files import lock_directory\n"
+        "lock = lock_directory(sys.argv[1])\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(directory)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+@pytest.mark.timeout(120)
+def test_a_second_run_in_a_directory_in_use_is_refused_and_leaves_it_alone(corpus, straight, tmp_path,
+                                                                           capsys):
+    out = tmp_path / "busy"
+    shutil.copytree(straight, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    holder = _hold_lock_in_another_process(out)
+    try:
+        assert run.main(tiny_args(corpus, out, steps=40, extra=("--resume",))) == 2
+        assert f"{out} is in use by another run" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert run.main(tiny_args(corpus, out, steps=40, extra=("--resume",))) == 0  # free once it ended
+
+
 def test_run_saved_before_a_preset_field_existed_still_resumes(corpus, straight, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(straight, old)
