@@ -44,7 +44,7 @@ class DistLossMean:
 
 
 def main_distributed(args, preset, arms) -> int:
-    from .run import finish, finished, prepare_out_dir, record_result, run_config
+    from .run import check_checkpoints, finish, finished, prepare_out_dir, record_result, run_config
 
     use_cuda = preset.device.startswith("cuda") and torch.cuda.is_available()
     if use_cuda:
@@ -59,6 +59,8 @@ def main_distributed(args, preset, arms) -> int:
         check_corpus_fits(corpus, seq_len=preset.seq_len, workers=world, sharding=preset.sharding)
         if rank == 0:
             lock = prepare_out_dir(args.out, run_config(preset, arms, world, corpus.vocab_size), args.resume)
+            if args.resume:  # a bad checkpoint: one line naming the file, before any arm trains
+                check_checkpoints(args.out, preset, arms, corpus)
     except (CorpusError, UsageError, ValueError) as exc:
         error = str(exc)
     except OSError as exc:

@@ -249,6 +249,19 @@ def test_resume_from_a_bad_checkpoint_names_the_file_before_any_arm_trains(corpu
     assert _files(tmp_path / "run") == before
 
 
+def test_torch_distributed_resume_from_a_bad_checkpoint_is_a_one_line_error_on_every_rank(corpus, straight,
+                                                                                           tmp_path):
+    shutil.copytree(straight, tmp_path / "run")
+    for result in (tmp_path / "run" / "results").iterdir():
+        result.unlink()
+    path, problem = _truncate_rank1(tmp_path / "run")
+    before = _files(tmp_path / "run")
+    for code, err in _run_two_ranks(tiny_args(corpus, tmp_path / "run", steps=40, extra=("--resume",)), tmp_path):
+        assert code == 2 and err.strip().startswith(f"error: checkpoint {path} {problem}"), err
+        assert len(err.strip().splitlines()) == 1, err
+    assert _files(tmp_path / "run") == before
+
+
 def test_torn_result_file_does_not_count_as_finished_and_the_arm_is_run_again(corpus, straight, tmp_path):
     shutil.copytree(straight, tmp_path / "run")
     (tmp_path / "run" / "results" / "adamw-seed0.json").write_text('{"arm": "adamw", "se')
@@ -438,23 +451,27 @@ def test_resume_without_a_run_is_an_error(corpus, tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().err
 
 
-def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight, tmp_path):
-    out = tmp_path / "dist"
-    procs = []
+def _run_two_ranks(args, tmp_path):
+    """The runner as two torch.distributed ranks (as torchrun starts them); [(exit code, stderr)]."""
+    procs, rendezvous = [], tmp_path / f"rendezvous{time.monotonic_ns()}"  # no TCP store
     for rank in range(2):
-        env = {**os.environ, **one_machine_env(rank, 2, tmp_path / "rendezvous")}  # no TCP store
+        env = {**os.environ, **one_machine_env(rank, 2, rendezvous)}
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "distro_opt.experiments.run", *tiny_args(corpus, out, steps=40)],
+                [sys.executable, "-m", "distro_opt.experiments.run", *args],
                 cwd=tmp_path,
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )
         )
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err.decode()
+    return [(p.returncode, err.decode()) for p in procs for _, err in [p.communicate(timeout=240)]]
+
+
+def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight, tmp_path):
+    out = tmp_path / "dist"
+    for code, err in _run_two_ranks(tiny_args(corpus, out, steps=40), tmp_path):
+        assert code == 0, err
     losses = {k: v[:2] for k, v in comparable(read_metrics(out / "metrics.jsonl")).items()}
     assert losses == {k: v[:2] for k, v in comparable(read_metrics(straight / "metrics.jsonl")).items()}
     dist_summary = json.loads((out / "summary.json").read_text())
