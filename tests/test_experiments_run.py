@@ -256,7 +256,8 @@ def test_torch_distributed_resume_from_a_bad_checkpoint_is_a_one_line_error_on_e
         result.unlink()
     path, problem = _truncate_rank1(tmp_path / "run")
     before = _files(tmp_path / "run")
-    for code, err in _run_two_ranks(tiny_args(corpus, tmp_path / "run", steps=40, extra=("--resume",)), tmp_path):
+    args = tiny_args(corpus, tmp_path / "run", steps=40, extra=("--resume",))
+    for code, err in _run_two_ranks(args, tmp_path):
         assert code == 2 and err.strip().startswith(f"error: checkpoint {path} {problem}"), err
         assert len(err.strip().splitlines()) == 1, err
     assert _files(tmp_path / "run") == before
