@@ -11,11 +11,22 @@ class DeMo(DecoupledMomentumOptimizer):
     ``Delta = compression_decay * Delta + lr * g``; chunked DCT-II; top-``compression_topk`` per chunk;
     ``Delta -= sent``; all-gather; per-coefficient mean over the workers that kept it; ``p -= lr * sign(IDCT(.))``.
 
-    Differences from the reference, none of which changes the arithmetic: one collective per step
-    for all parameters; indices bit-packed (12 bits for 64x64 chunks instead of int64); values in
-    ``compression_bits`` (32 = float32 as the reference sends for float32 parameters; 64 for float64
-    parameters; 16/8/2/1 compress further); the buffer lives in ``self.state`` (saved by
-    ``state_dict``); hyperparameters live in ``param_groups``; parameters of any rank.
+    Differences from the reference that do not change the arithmetic of float32 and float64
+    parameters in one param group: one collective per step for all parameters; indices bit-packed
+    (12 bits for 64x64 chunks instead of int64); values in ``compression_bits`` (32 = float32 as the
+    reference sends for float32 parameters; 64 for float64 ones, which the default 32 rounds to
+    float32; 16/8/2/1 compress further); the buffer lives in ``self.state`` (saved by
+    ``state_dict``); hyperparameters live in ``param_groups``; parameters of any rank. After a step
+    ``p.grad`` still holds the gradient (the reference leaves the sign step there); bytes are counted
+    by ``self.comm.stats``, not ``data_transmit``/``data_receive``.
+
+    Differences that do change it, each torch's convention where the reference departs from it:
+
+    * A group's ``weight_decay`` replaces the constructor's, as in every torch optimizer. The reference
+      applies the constructor's to every group and adds a group's own on top as SGD's L2 term, so a
+      group given ``weight_decay=0.0`` there still decays.
+    * bf16 and float16 parameters keep their momentum and transform in float32 (the reference works in
+      the parameter's dtype, where ``compression_decay=0.999`` rounds to 1 in bf16).
 
     Args:
         params: iterable of parameters or param groups.

@@ -21,22 +21,24 @@ def _largest_divisor(n, target):
 class ReferenceDeMo:
     """The paper's Algorithm 1 written plainly: numpy, scipy.fft, one chunk at a time."""
 
-    def __init__(self, params, lr, decay, topk, chunk, weight_decay, world_size):
+    def __init__(self, params, decay, topk, chunk, world_size):
         self.params = [p.copy() for p in params]
-        self.lr, self.decay, self.topk, self.wd = lr, decay, topk, weight_decay
+        self.decay, self.topk = decay, topk
         self.chunks = [tuple(_largest_divisor(n, chunk) for n in p.shape) for p in params]
         self.deltas = [[np.zeros_like(p) for p in params] for _ in range(world_size)]
         self.ties = [np.zeros(p.shape, dtype=bool) for p in params]  # entries where sign(~0) was taken
 
-    def step(self, grads_per_worker):
+    def step(self, grads_per_worker, lrs, weight_decays):
+        """One step; ``lrs`` and ``weight_decays``: each parameter's (its group's) values now."""
         for j, p in enumerate(self.params):
+            lr, wd = lrs[j], weight_decays[j]
             chunk = self.chunks[j]
             k = min(self.topk, int(np.prod(chunk)))
             kept = []  # per worker: {(slice, flat index): value}
             for w, grads in enumerate(grads_per_worker):
                 delta = self.deltas[w][j]
                 delta *= self.decay
-                delta += self.lr * grads[j]
+                delta += lr * grads[j]
                 sent = {}
                 for block, sl in _chunk_slices(p.shape, chunk):
                     coeffs = scipy.fft.dctn(delta[sl], norm="ortho").reshape(-1)
@@ -46,7 +48,7 @@ class ReferenceDeMo:
                     delta[sl] -= scipy.fft.idctn(sparse.reshape(chunk), norm="ortho")
                     sent.update({(block, int(i)): coeffs[i] for i in top})
                 kept.append(sent)
-            p *= 1 - self.lr * self.wd
+            p *= 1 - lr * wd
             for block, sl in _chunk_slices(p.shape, chunk):
                 agg = np.zeros(int(np.prod(chunk)))
                 for i in range(agg.size):
@@ -54,7 +56,7 @@ class ReferenceDeMo:
                     agg[i] = np.mean(vals) if vals else 0.0
                 direction = scipy.fft.idctn(agg.reshape(chunk), norm="ortho")
                 self.ties[j][sl] |= np.abs(direction) < 1e-12 * max(np.abs(agg).max(), 1e-300)
-                p[sl] -= self.lr * np.sign(direction)
+                p[sl] -= lr * np.sign(direction)
 
 
 # (96, 130): chunks (16, 13), short runs along the last axis; (48, 64) and (16, 32, 48): top-k over runs of
@@ -62,33 +64,87 @@ class ReferenceDeMo:
 SHAPES = [(96, 130), (48, 64), (16, 32, 48), (130,), (8, 4, 3, 3), ()]
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
-def test_demo_matches_reference_step_by_step(world_size):
-    rng = np.random.default_rng(0)
-    init = [rng.standard_normal(s) for s in SHAPES]
-    steps = 4
-    grads = [[[rng.standard_normal(s) for s in SHAPES] for _ in range(world_size)] for _ in range(steps)]
-    settings = dict(lr=0.01, compression_decay=0.9, compression_topk=5, compression_chunk=16, weight_decay=0.1)
+def _run_both(init, grads, dtype, settings, groups_of, lr_at, world_size):
+    """DeMo on ``world_size`` in-process workers against the reference, from the same parameters and
+    gradients; ``groups_of(params)`` makes the param groups (lr and weight_decay per group);
+    ``lr_at(t, base)`` is a schedule's lr at step t. Returns (ours per worker, the reference)."""
+    steps = len(grads)
     ref = ReferenceDeMo(
-        init, settings["lr"], settings["compression_decay"], settings["compression_topk"],
-        settings["compression_chunk"], settings["weight_decay"], world_size,
+        init, settings["compression_decay"], settings["compression_topk"], settings["compression_chunk"],
+        world_size,
     )
 
     def worker(backend):
-        params = [torch.nn.Parameter(torch.from_numpy(x.copy())) for x in init]
-        opt = DeMo(params, comm=backend, compression_bits=64, **settings)
+        params = [torch.nn.Parameter(torch.from_numpy(x.copy()).to(dtype)) for x in init]
+        opt = DeMo(groups_of(params), comm=backend, **settings)
+        base = [g["lr"] for g in opt.param_groups]
         for t in range(steps):
+            for g, lr in zip(opt.param_groups, base):
+                g["lr"] = lr_at(t, lr)
             for p, g in zip(params, grads[t][backend.rank]):
-                p.grad = torch.from_numpy(np.array(g))
+                p.grad = torch.from_numpy(np.array(g)).to(dtype)
             opt.step()
-        return [p.detach().numpy().copy() for p in params]
+        return [p.detach().double().numpy().copy() for p in params]
 
-    results = InProcessBackend.run(world_size, worker, timeout_s=60)
+    results = InProcessBackend.run(world_size, worker, timeout_s=120)
+    probe = [torch.nn.Parameter(torch.zeros(())) for _ in init]
+    groups = DeMo(groups_of(probe), **settings).param_groups
+    group_of = {id(p): g for g in groups for p in g["params"]}
     for t in range(steps):
-        ref.step(grads[t])
+        lrs = [lr_at(t, group_of[id(p)]["lr"]) for p in probe]
+        ref.step(grads[t], lrs, [group_of[id(p)]["weight_decay"] for p in probe])
+    return results, ref
+
+
+def _data(shapes, world_size, steps, seed=0):
+    rng = np.random.default_rng(seed)
+    init = [rng.standard_normal(s) for s in shapes]
+    grads = [[[rng.standard_normal(s) for s in shapes] for _ in range(world_size)] for _ in range(steps)]
+    return init, grads
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_demo_matches_reference_step_by_step(world_size):
+    init, grads = _data(SHAPES, world_size, steps=4)
+    settings = dict(compression_decay=0.9, compression_topk=5, compression_chunk=16, weight_decay=0.1,
+                    compression_bits=64)
+    one_group = lambda ps: [{"params": ps, "lr": 0.01}]  # noqa: E731
+    results, ref = _run_both(init, grads, torch.float64, settings, one_group, lambda t, lr: lr, world_size)
     for ours in results:
         for got, want, ties in zip(ours, ref.params, ref.ties):
             differ = np.abs(got - want) > 1e-9
             # identical except where the reference took the sign of an exact-zero direction (a tie)
             assert not (differ & ~ties).any(), f"{(differ & ~ties).sum()} entries differ without a sign tie"
             assert differ.mean() <= 0.02
+
+
+def test_demo_matches_reference_with_two_groups_and_a_schedule():
+    """Each group's own lr and weight decay (torch's convention: a group's weight_decay replaces the
+    constructor's), and an lr that changes every step, as a scheduler changes it."""
+    init, grads = _data(SHAPES, 2, steps=5, seed=1)
+    settings = dict(compression_decay=0.95, compression_topk=7, compression_chunk=16, weight_decay=0.2,
+                    compression_bits=64)
+
+    def groups_of(ps):
+        return [{"params": ps[:3], "lr": 0.02}, {"params": ps[3:], "lr": 0.005, "weight_decay": 0.0}]
+
+    results, ref = _run_both(init, grads, torch.float64, settings, groups_of, lambda t, lr: lr * 0.7**t, 2)
+    for ours in results:
+        for got, want, ties in zip(ours, ref.params, ref.ties):
+            differ = np.abs(got - want) > 1e-9
+            assert not (differ & ~ties).any(), f"{(differ & ~ties).sum()} entries differ without a sign tie"
+
+
+def test_demo_defaults_in_float32_match_the_float64_reference_but_for_rounding():
+    """The default path (float32, top-32 of 64x64 chunks, float32 values): float32 rounding may pick
+    another coefficient at a near-tie or flip the sign of a near-zero direction, nothing more."""
+    shapes = [(128, 192), (64, 320), (192,)]
+    init, grads = _data(shapes, 2, steps=6, seed=2)
+    settings = dict(compression_decay=0.999, compression_topk=32, compression_chunk=64, weight_decay=0.1)
+    results, ref = _run_both(
+        init, grads, torch.float32, settings, lambda ps: [{"params": ps, "lr": 0.01}], lambda t, lr: lr, 2
+    )
+    for ours in results:
+        for got, want in zip(ours, ref.params):
+            differ = np.abs(got - want) > 1e-5
+            assert differ.mean() <= 0.002, f"{differ.sum()} of {differ.size} entries differ"
