@@ -56,6 +56,20 @@ def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk,
     value_codec(compression_bits)
 
 
+def _check_step(index, step) -> None:
+    """A checkpoint's step count: a number or a one-element real tensor, finite and >= 0."""
+    if step is None:
+        return
+    if torch.is_tensor(step):
+        ok = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
+        value = float(step) if ok else None
+    else:
+        ok = isinstance(step, (int, float)) and not isinstance(step, bool)
+        value = float(step) if ok else None
+    if not (ok and math.isfinite(value) and value >= 0):
+        raise ValueError(f"checkpoint's step of parameter {index} is {step!r}, not a count of steps")
+
+
 def all_finite(tensors) -> bool:
     """Whether every element of ``tensors`` is finite, read once at the end (on a GPU a read waits
     for the device). Tested element by element: a norm in a float16 tensor's own dtype is inf beyond
@@ -461,6 +475,10 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 for key, value in saved.items():
                     if torch.is_tensor(value) and key != "step" and state[key].dtype != value.dtype:
                         state[key] = value.to(device=p.device, copy=True)
+                step = state.get("step")
+                counted = torch.is_tensor(step) and step.dim() == 0 and step.is_floating_point()
+                if step is not None and not counted:
+                    state["step"] = torch.tensor(float(step))  # saved as a number, or an integer tensor
                 if index in row_deltas:
                     shape = tuple(p.shape) or (1,)
                     rows = self._transform.unchunk(state["delta"], shape, row_deltas[index])
@@ -496,22 +514,27 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 raise ValueError(
                     f"checkpoint's state of parameter {index} has one of delta and step without the other"
                 )
+            _check_step(index, saved.get("step"))
             for key in PARAM_SHAPED_STATE:
                 value = saved.get(key)
-                if value is None or key == "delta":
+                if value is None:
                     continue
-                if not torch.is_tensor(value) or tuple(value.shape) != tuple(p.shape):
+                if not (torch.is_tensor(value) and value.is_floating_point()):
+                    raise ValueError(
+                        f"checkpoint's {key} of parameter {index} is not a floating-point tensor"
+                    )
+                if key != "delta" and tuple(value.shape) != tuple(p.shape):  # delta's layouts: below
                     raise ValueError(
                         f"checkpoint's {key} of parameter {index} is not a tensor of its shape "
                         f"{tuple(p.shape)}"
                     )
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"checkpoint's {key} of parameter {index} holds non-finite values")
+                if key == "exp_avg_sq" and bool((value < 0).any()):
+                    raise ValueError(f"checkpoint's exp_avg_sq of parameter {index} holds negative values")
             delta = saved.get("delta")
             if delta is None:
                 continue
-            if not (torch.is_tensor(delta) and delta.is_floating_point()):
-                raise ValueError(f"checkpoint's delta of parameter {index} is not a floating-point tensor")
-            if not bool(torch.isfinite(delta).all()):
-                raise ValueError(f"checkpoint's delta of parameter {index} holds non-finite values")
             target = chunk_target.get(index, self.defaults["compression_chunk"])
             chunk = self._transform.chunk_shape(tuple(p.shape), target)
             rows = (p.numel() // math.prod(chunk), math.prod(chunk))

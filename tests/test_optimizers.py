@@ -664,8 +664,21 @@ def _edited(saved, group=None, state0=None):
     (lambda m: _edited(_trained_state(m, update="adam"),
                        state0=lambda st: st.update(exp_avg=st["exp_avg"][1:])),
      r"exp_avg of parameter 0 is not a tensor of its shape \(32, 16\)"),
+    (lambda m: _edited(_trained_state(m), state0=lambda st: st.update(step="x")),
+     "step of parameter 0 is 'x', not a count of steps"),
+    (lambda m: _edited(_trained_state(m), state0=lambda st: st.update(step=torch.tensor(float("nan")))),
+     "step of parameter 0 is tensor"),
+    (lambda m: _edited(_trained_state(m), state0=lambda st: st.update(step=torch.tensor(-5.0))),
+     "step of parameter 0 is tensor"),
+    (lambda m: _edited(_trained_state(m, update="adam"),
+                       state0=lambda st: st.update(exp_avg=st["exp_avg"] * float("nan"))),
+     "exp_avg of parameter 0 holds non-finite values"),
+    (lambda m: _edited(_trained_state(m, update="adam"),
+                       state0=lambda st: st.update(exp_avg_sq=-st["exp_avg_sq"] - 1)),
+     "exp_avg_sq of parameter 0 holds negative values"),
 ], ids=["DeMo's", "torch AdamW's", "negative lr", "unknown update", "no step", "integer delta", "NaN delta",
-        "exp_avg of another shape"])
+        "exp_avg of another shape", "string step", "NaN step", "negative step", "NaN exp_avg",
+        "negative exp_avg_sq"])
 def test_a_checkpoint_this_optimizer_cannot_resume_is_refused_before_anything_changes(make, match):
     model = make_model()
     saved = make(model)
@@ -678,6 +691,26 @@ def test_a_checkpoint_this_optimizer_cannot_resume_is_refused_before_anything_ch
     for p, state in zip(model.parameters(), before):
         assert all(torch.equal(state[k], target.state[p][k]) for k in state)
     assert [dict(g, params=None) for g in target.param_groups] == groups
+
+
+@pytest.mark.parametrize("as_saved", [int, lambda t: torch.tensor(t, dtype=torch.int64)],
+                         ids=["int", "int64"])
+def test_a_step_count_saved_as_a_number_or_integer_tensor_resumes_like_the_float_one(as_saved):
+    runs = []
+    for convert in (False, True):
+        model = make_model()
+        opt = DisTrOAdamW(model.parameters(), lr=0.01, update="adam")
+        train(model, opt, 2)
+        saved = opt.state_dict()
+        if convert:
+            saved = _edited(saved)
+            for st in saved["state"].values():
+                st["step"] = as_saved(int(st["step"]))
+        fresh = DisTrOAdamW(model.parameters(), lr=0.01, update="adam")
+        fresh.load_state_dict(saved)
+        train(model, fresh, 2)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_a_checkpoint_without_its_delta_layout_entry_is_told_by_the_shapes():
