@@ -10,8 +10,13 @@ from .decoupled import DecoupledMomentumOptimizer, all_finite, check_hyperparame
 from .kept import kept_tensors
 
 UPDATES = ("sign", "adam", "rms")
+# torch.optim.AdamW's flags and their defaults, accepted so that a call written for AdamW works here
+# unchanged. foreach and fused choose among torch's kernels; this optimizer's step has its own.
+ADAMW_FLAGS = dict(
+    amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
+)
 # A group's settings that, in the local-step mode, are the inner optimizer's (where its groups have them)
-INNER_KEYS = ("lr", "betas", "eps", "weight_decay")
+INNER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
 def default_inner_optimizer(param_groups):
@@ -24,6 +29,19 @@ def _inner_group(group) -> dict:
     """A new dict of a group's parameters and INNER_KEYS for the inner optimizer: torch's optimizers
     keep the dict they are given and write their own defaults into it."""
     return {"params": list(group["params"]), **{k: group[k] for k in INNER_KEYS}}
+
+
+def check_adamw_flags(group, local_steps: bool) -> None:
+    """The AdamW flags (``ADAMW_FLAGS``) this optimizer cannot honour are refused, not ignored."""
+    if group.get("capturable"):
+        raise ValueError("capturable=True is not supported: a step that exchanges payloads between "
+                         "workers cannot be captured in a CUDA graph")
+    if group.get("differentiable"):
+        raise ValueError("differentiable=True is not supported: top-k and quantization have no gradient")
+    if group.get("amsgrad") and group["update"] != "adam" and not local_steps:
+        raise ValueError(
+            "amsgrad=True applies to update='adam' (or to the inner AdamW steps of sync_every > 1)"
+        )
 
 
 def check_adamw_settings(betas, eps, update, outer_lr, outer_momentum) -> None:
@@ -72,10 +90,17 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     The defaults (top-4 of each 64x64 chunk, 1-bit values with a bf16 magnitude per chunk) send
     8.5 bytes per 4096 parameters: 0.0021 bytes per parameter per step, as lean as Psyche's setting.
 
+    AdamW's flags are accepted: ``maximize`` ascends; ``amsgrad`` keeps the largest second moment in
+    ``update="adam"`` (and reaches the inner AdamW in the local-step mode); ``foreach`` and ``fused``
+    are accepted and have no effect (this step has its own kernels); ``capturable=True`` and
+    ``differentiable=True`` are refused.
+
     On a CPU with bf16 arithmetic, torch's process-wide ``torch.backends.mkldnn.matmul.fp32_precision
     = "bf16"`` (the user's choice; never set here) also lets the forward DCT of float32 matrices run
     its GEMMs in bf16: a faster step, each step's DCT of the gradient off by ~0.4%.
     """
+
+    _optional_group_keys = tuple(ADAMW_FLAGS)
 
     def __init__(
         self,
@@ -84,7 +109,13 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         compression_decay: float = 0.999,
         compression_topk: int = 4,
         compression_chunk: int = 64,
@@ -105,10 +136,12 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, compression_decay=compression_decay,
             compression_topk=compression_topk, compression_chunk=compression_chunk,
             compression_bits=compression_bits, update=update, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+            differentiable=differentiable, fused=fused,
         )
         self._inner = None  # read by add_param_group, which torch's constructor calls
+        self.sync_every = sync_every  # read by _check_group, which it calls too
         super().__init__(params, defaults, comm=comm, overlap=overlap)
-        self.sync_every = sync_every
         if sync_every > 1:
             if overlap:
                 raise ValueError("overlap=True applies to the per-step mode only (sync_every=1)")
@@ -127,6 +160,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         check_adamw_settings(
             group["betas"], group["eps"], group["update"], group["outer_lr"], group["outer_momentum"]
         )
+        check_adamw_flags(group, local_steps=self.sync_every > 1)
 
     def add_param_group(self, param_group) -> None:
         """As torch's, validated like the constructor's groups; in the local-step mode the inner
@@ -136,7 +170,9 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             self._inner.add_param_group(_inner_group(self.param_groups[-1]))
 
     def _momentum_scale(self, group):
-        return 1.0
+        """-1 under ``maximize`` (the gradient's ascent); in the local-step mode the inner optimizer
+        takes ``maximize`` and the pseudo-gradient already points the right way."""
+        return -1.0 if group["maximize"] and self._inner is None else 1.0
 
     def _input_unscale(self) -> float:
         """The pseudo-gradient ``anchor - p`` is in the parameters' units: the loss scale was taken
@@ -258,6 +294,9 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
                     f"checkpoint's inner optimizer has groups of {saved} parameters, expected {expected}"
                 )
         super().load_state_dict(state_dict)
+        for group in self.param_groups:  # checkpoints saved before the flags existed
+            for key, value in ADAMW_FLAGS.items():
+                group.setdefault(key, value)
         if inner is not None:
             self._inner.load_state_dict(inner)
 
@@ -288,6 +327,12 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         m, v = self._view(state["exp_avg"], direction), self._view(state["exp_avg_sq"], direction)
         m.lerp_(direction, 1 - beta1)
         v.mul_(beta2).addcmul_(direction, direction, value=1 - beta2)
+        if group["amsgrad"]:  # the largest second moment so far, as torch's AdamW(amsgrad=True)
+            if "max_exp_avg_sq" not in state:
+                with kept_tensors():
+                    state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=direction.dtype, device=p.device)
+            v_max = self._view(state["max_exp_avg_sq"], direction)
+            v = torch.maximum(v_max, v, out=v_max)
         denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
         if p.dtype == denom.dtype:
             target.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1**t))

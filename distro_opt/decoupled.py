@@ -32,7 +32,7 @@ from .transform import DCTTransform
 # How state[p]["delta"] is laid out (see state_dict); "chunk rows" is the layout before it.
 DELTA_LAYOUT = "tensor"
 # State tensors of a parameter's shape (DisTrOAdamW's Adam update and local-step mode add some).
-PARAM_SHAPED_STATE = ("delta", "exp_avg", "exp_avg_sq", "anchor", "outer_momentum_buffer")
+PARAM_SHAPED_STATE = ("delta", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "anchor", "outer_momentum_buffer")
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -100,6 +100,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     # GradScaler hands us grad_scale/found_inf instead of skipping step() on one worker only:
     # a skipped step would leave the other workers waiting in the collective.
     _step_supports_amp_scaling = True
+    # group settings that checkpoints of an earlier version may lack (the subclass fills them in)
+    _optional_group_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults, comm=None, process_group=None, overlap=False):
         super().__init__(params, defaults)
@@ -491,7 +493,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         is told by its shape; where both layouts have its shape (an (n, 4096) matrix of 64x64 chunks)
         it is read as rows, as it was before that entry existed."""
         groups = state_dict.get("param_groups", [])
-        required = set.intersection(*(set(g) for g in self.param_groups)) - {"params"}
+        required = set.intersection(*(set(g) for g in self.param_groups))
+        required -= {"params", *self._optional_group_keys}
         chunk_target = {}
         for i, group in enumerate(groups):
             missing = sorted(required - set(group))
@@ -530,8 +533,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                     )
                 if not bool(torch.isfinite(value).all()):
                     raise ValueError(f"checkpoint's {key} of parameter {index} holds non-finite values")
-                if key == "exp_avg_sq" and bool((value < 0).any()):
-                    raise ValueError(f"checkpoint's exp_avg_sq of parameter {index} holds negative values")
+                if key.endswith("exp_avg_sq") and bool((value < 0).any()):
+                    raise ValueError(f"checkpoint's {key} of parameter {index} holds negative values")
             delta = saved.get("delta")
             if delta is None:
                 continue

@@ -54,10 +54,12 @@ def test_takes_h_local_steps_then_exactly_one_collective():
     assert counts == [0, 0, 0, 1, 1, 1, 1, 2]
 
 
-def test_local_steps_are_inner_adamw_steps():
+@pytest.mark.parametrize("flags", [{}, {"amsgrad": True, "maximize": True}],
+                         ids=["plain", "amsgrad-maximize"])
+def test_local_steps_are_inner_adamw_steps(flags):
     model, reference = make_model(), make_model()
-    opt = make_opt(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    opt = make_opt(model, **flags)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, **flags)
     for t in range(H - 1):
         step(model, opt, t)
         step(reference, ref_opt, t)

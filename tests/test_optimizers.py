@@ -60,9 +60,59 @@ def test_distro_adamw_validates_adam_arguments(kwargs, message):
 
 
 def test_distro_adamw_accepts_adamw_positional_signature():
-    opt = DisTrOAdamW(make_model().parameters(), 3e-4, (0.8, 0.95), 1e-6, 0.1)
+    opt = DisTrOAdamW(make_model().parameters(), 3e-4, (0.8, 0.95), 1e-6, 0.1, False)
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.8, 0.95), 1e-6, 0.1)
+
+
+def test_distro_adamw_takes_every_keyword_of_torchs_adamw():
+    import inspect
+
+    ours = inspect.signature(DisTrOAdamW).parameters
+    for name, param in inspect.signature(torch.optim.AdamW).parameters.items():
+        assert name in ours and ours[name].default == param.default, name
+    DisTrOAdamW(make_model().parameters(), foreach=True, fused=False, update="adam", amsgrad=True)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(capturable=True), "capturable=True is not supported"),
+    (dict(differentiable=True), "differentiable=True is not supported"),
+    (dict(amsgrad=True), "amsgrad=True applies to update='adam'"),
+])
+def test_adamw_flags_this_optimizer_cannot_honour_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DisTrOAdamW(make_model().parameters(), **kwargs)
+
+
+def test_maximize_ascends_where_the_default_descends():
+    runs = {}
+    for maximize in (False, True):
+        model = make_model()
+        opt = DisTrOAdamW(model.parameters(), lr=0.01, weight_decay=0.0, maximize=maximize)
+        x, y = batch(0)
+        losses = []
+        for _ in range(5):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        runs[maximize] = losses
+    assert runs[False][-1] < runs[False][0] and runs[True][-1] > runs[True][0]
+
+
+def test_a_checkpoint_saved_before_the_adamw_flags_existed_loads_with_their_defaults():
+    model = make_model()
+    opt = DisTrOAdamW(model.parameters(), lr=0.01)
+    train(model, opt, 1)
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        for key in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused"):
+            del group[key]
+    fresh = DisTrOAdamW(model.parameters(), lr=0.01)
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["maximize"] is False and fresh.param_groups[0]["fused"] is None
+    train(model, fresh, 1)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
@@ -479,15 +529,21 @@ def test_per_group_settings_are_validated_like_the_constructor(group, message):
         DisTrOAdamW([{"params": [first]}, {"params": rest, **group}])
 
 
-def test_adam_update_without_compression_is_adamw_on_the_mean_gradient():
+FLAG_SETS = [{}, {"amsgrad": True}, {"maximize": True}, {"amsgrad": True, "maximize": True}]
+
+
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=["plain", "amsgrad", "maximize", "both"])
+def test_adam_update_without_compression_is_adamw_on_the_mean_gradient(flags):
     """Top-k of every coefficient at 64 bits sends the whole momentum, so the error feedback is
     empty and the aggregate is the workers' mean gradient: the Adam update must then be torch's
-    AdamW fed that mean (float64, up to the DCT round trip's rounding)."""
+    AdamW fed that mean (float64, up to the DCT round trip's rounding), with its flags too."""
     world, steps = 3, 5
     grads = [[torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * r + t))
               for t in range(steps)] for r in range(world)]
+    if flags.get("amsgrad"):  # a second moment that shrinks, where amsgrad's maximum differs
+        grads = [[g * (4.0 if t < 2 else 0.1) for t, g in enumerate(gs)] for gs in grads]
     start = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(99))
-    settings = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    settings = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **flags)
 
     def worker(backend):
         p = torch.nn.Parameter(start.clone())
