@@ -2,9 +2,12 @@
 # One-time (and idempotent) set-up: a virtual environment in .venv with distro-opt and everything
 # its tests and experiments need. Re-running it is cheap: it only reinstalls when pyproject.toml changed.
 #
-# PyTorch: by default the CPU build (torch==2.13.0), since an unpinned torch pulls a multi-GB CUDA
-# build. GPU users override it, e.g.
-#   TORCH_SPEC="torch==2.13.0" TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh
+# PyTorch: torch==2.13.0 pinned, since an unpinned torch pulls a multi-GB CUDA build. Which build the pin
+# gives depends on pip's configuration: this project's machines serve the CPU build from local disk,
+# while PyPI's Linux x86_64 wheel is the CUDA one. Choose a build with its index, e.g.
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh     (CPU)
+#   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh   (CUDA 12.8)
+# A re-run with another index replaces the installed build (pip would take 2.13.0+cpu for ==2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,14 +20,21 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.distro-opt-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $TORCH_SPEC $EXTRAS"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $TORCH_SPEC $EXTRAS ${TORCH_INDEX_URL:-}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 # (sed drops a harmless warning some pip mirrors print; pipefail still reports pip's own failure)
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 | sed '/is ignored: it is neither/d'; }
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
-    pip_install "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"
+    # the build an index serves (+cpu, +cu128) is a local version that ==2.13.0 does not tell apart
+    current=$("$VENV/bin/python" -c "import torch; print(torch.__version__)" 2>/dev/null || true)
+    suffix=${TORCH_INDEX_URL%/}; suffix=${suffix##*/}
+    if [ -n "$current" ] && [ "${current#*+}" != "$suffix" ]; then
+        pip_install --force-reinstall "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"
+    else
+        pip_install "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"
+    fi
 else
     pip_install "$TORCH_SPEC"
 fi
