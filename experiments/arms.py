@@ -38,7 +38,9 @@ ALIASES = {
 }
 KINDS = ("adamw", "distro", "demo")
 PARTS = ("embed", "norm", "matrix")
-_NOT_OPTIONS = {"self", "params", "comm", "process_group"}
+# Not options: what the runner passes itself, a factory (no string names one), and modes its
+# training loop does not run (CUDA-graph capture, a differentiable step)
+_NOT_OPTIONS = {"self", "params", "comm", "process_group", "inner_optimizer", "capturable", "differentiable"}
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ def _parse_arm(label: str) -> Arm:
         if name not in allowed:
             raise ValueError(
                 f"Unknown option {key!r} for arm {kind!r} "
-                f"(known: {', '.join(sorted(allowed | set(ALIASES)))})"
+                f"(known: {', '.join(sorted(allowed | {a for a, k in ALIASES.items() if k in allowed}))})"
             )
         options[name] = _parse_value(value, kind, name, label)
     return Arm(label=label, kind=kind, options=options)

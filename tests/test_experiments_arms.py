@@ -23,6 +23,16 @@ def test_unknown_arm_option_is_an_error_naming_it():
         parse_arms("distro:topkk=8")
 
 
+@pytest.mark.parametrize("text", ["adamw:topk=4", "adamw:capturable=true", "adamw:differentiable=true",
+                                  "distro:inner_optimizer=foo"])
+def test_options_the_runner_cannot_run_are_unknown_and_adamw_lists_no_compression_alias(text):
+    with pytest.raises(ValueError, match="Unknown option") as info:
+        parse_arms(text)
+    known = str(info.value).split("known: ")[1]
+    assert "topk" not in known.split(", ") if text.startswith("adamw") else "compression_topk" in known
+    assert "capturable" not in known and "inner_optimizer" not in known
+
+
 def test_unknown_arm_kind_is_an_error():
     with pytest.raises(ValueError, match="Unknown arm 'sgd'"):
         parse_arms("adamw,sgd")
