@@ -6,8 +6,10 @@ target gives c_i = 1, no transform along that dim). Every chunk gets a separable
 with the orthonormal basis D_c[k, n] = sqrt(2/c) * a_k * cos(pi * (2n + 1) * k / (2c)), a_0 = 1/sqrt(2),
 a_k = 1 otherwise (scipy.fft.dct(type=2, norm="ortho")). Being orthonormal, the inverse is D_c^T.
 
-Coefficients come out chunk-major, as a (num_chunks, chunk_numel) matrix, so that a per-chunk top-k
-is one ``torch.topk(..., dim=1)``.
+``forward`` and ``accumulate`` leave the coefficients in the tensor's own layout (element [i, j] of a
+matrix is coefficient (i mod c_1, j mod c_2) of chunk (i // c_1, j // c_2)): no permutation pass, and
+the top-k reads each chunk's coefficients as runs along the last axis (``select.topk_abs_in_runs``).
+``encode`` gives chunk-major (num_chunks, chunk_numel) rows.
 """
 from __future__ import annotations
 
