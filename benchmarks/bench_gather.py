@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from distro_opt.experiments.cli import at_least
+from distro_opt.experiments.presets import PRESETS
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -154,12 +157,12 @@ def summarize(results: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--peers", type=at_least(int, 1), nargs="+", default=[2, 4, 8])
     p.add_argument("--backends", nargs="+", default=["hivemind", "torch"], choices=["hivemind", "torch"])
-    p.add_argument("--preset", default="smoke")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--preset", default="smoke", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=at_least(int, 1), default=30)
+    p.add_argument("--warmup", type=at_least(int, 0), default=5)
+    p.add_argument("--timeout-s", type=at_least(float, 0.0, exclusive=True), default=300.0)
     p.add_argument("--worker", choices=["hivemind", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from distro_opt.comm import Backend, PendingGather
+from distro_opt.experiments.cli import at_least
 from distro_opt.experiments.process_group import one_machine_env
 
 WARMUP_STEPS = 3
@@ -135,12 +136,13 @@ def table(ranks: list[list[dict]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 20.0])
-    parser.add_argument("--lr", type=float, nargs="+", default=[1e-2, 3e-3])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--steps", type=at_least(int, WARMUP_STEPS + 1), default=40,
+                        help=f"steps per run, the first {WARMUP_STEPS} untimed (default 40)")
+    parser.add_argument("--latency-ms", type=at_least(float, 0.0), nargs="+", default=[0.0, 20.0])
+    parser.add_argument("--lr", type=at_least(float, 0.0, exclusive=True), nargs="+", default=[1e-2, 3e-3])
+    parser.add_argument("--hidden", type=at_least(int, 1), default=256)
+    parser.add_argument("--batch-size", type=at_least(int, 1), default=256)
+    parser.add_argument("--timeout-s", type=at_least(float, 0.0, exclusive=True), default=300.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from distro_opt.experiments.cli import at_least
+
 from distro_opt import DCTTransform, DeMo, DisTrOAdamW
 
 
@@ -104,9 +106,10 @@ def timing_setup(description, argv, threads=2, rounds=5, steps=20, extra=None):
     """Parse the timing options shared by the benchmarks (``extra(parser)`` adds more), set torch's
     threads and seed."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--steps", type=int, default=steps, help="steps (repetitions) per timed round")
-    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds per arm")
-    parser.add_argument("--threads", type=int, default=threads, help="torch intra-op threads")
+    parser.add_argument("--steps", type=at_least(int, 1), default=steps,
+                        help="steps (repetitions) per timed round")
+    parser.add_argument("--rounds", type=at_least(int, 1), default=rounds, help="interleaved rounds per arm")
+    parser.add_argument("--threads", type=at_least(int, 1), default=threads, help="torch intra-op threads")
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)

@@ -45,6 +45,20 @@ def _typed(cast):
     return convert
 
 
+def at_least(cast, low, exclusive=False):
+    """An argparse type: ``cast(text)``, refused as a one-line usage error unless ``>= low`` (``> low``
+    with ``exclusive``); what the scripts' numeric flags take (a count of 0 would fail only later)."""
+    def convert(text):
+        value = _typed(cast)(text)
+        if value < low or (exclusive and value == low):
+            bound = f"{'>' if exclusive else '>='} {low}"
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a number {bound}")
+        return value
+
+    convert.__name__ = cast.__name__
+    return convert
+
+
 def _preset_values(presets: dict, name: str) -> str:
     """Each preset's value of a field, for --help: the dataclass default is only the first preset's,
     so showing it alone would present one preset's value as every preset's default."""

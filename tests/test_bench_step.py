@@ -43,3 +43,11 @@ def test_an_unknown_device_is_refused_with_a_clear_message(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "gpu0"])
     assert "not a torch device: 'gpu0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--rounds", "--steps", "--threads"])
+def test_a_count_below_one_is_a_usage_error_before_any_work(bench, capsys, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([flag, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: '0': expected a number >= 1" in capsys.readouterr().err
