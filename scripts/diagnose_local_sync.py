@@ -84,6 +84,12 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.out.exists():
         ap.error(f"{args.out} exists; choose another --out")
+    try:  # before --out is made: a bad arm must not leave a file that blocks the corrected command
+        arms = parse_arms(args.arm)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if len(arms) != 1 or arms[0].kind != "distro" or arms[0].options.get("sync_every", 1) < 2:
+        ap.error(f"--arm {args.arm!r}: expected one distro arm with sync_every >= 2 (a local-step arm)")
     return args
 
 

@@ -74,6 +74,10 @@ def main() -> None:
         ap.error(f"{args.out} exists; choose another --out")
     if not 2 <= args.bits <= 8:
         ap.error(f"invalid --bits {args.bits} (expected 2-8)")
+    for name in ("rank", "embed_rank", "sync_every", "batch_size", "steps", "eval_every"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"invalid --{name.replace('_', '-')} {value} (expected >= 1)")
     torch.set_num_threads(1)
 
     preset = dataclasses.replace(
