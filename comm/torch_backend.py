@@ -232,15 +232,28 @@ class TorchDistributedBackend(Backend):
         return seen, CommStats.all_gather_bytes(DESCRIPTOR_BYTES, self._world_size)
 
     def barrier(self) -> None:
-        """Wait for every rank, bounded by ``timeout_s``; on Gloo the error names the missing ranks."""
-        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        """Wait for every rank, bounded by ``timeout_s`` (``None``: the group's own timeout); on Gloo
+        the error names the missing ranks."""
+        if self.timeout_s is not None:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+        else:  # monitored_barrier's own default is torch's 30 minutes, not the group's timeout
+            timeout = self._group_timeout()
         try:
-            if "gloo" in self._backend_name:
+            if "gloo" in self._backend_name and timeout is not None:
                 dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
             else:
                 self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
         except RuntimeError as exc:
             raise self._error("barrier", exc) from exc
+
+    def _group_timeout(self) -> datetime.timedelta | None:
+        """The timeout the group was created with (private torch API; None where it is missing, and
+        barrier() then falls back to a plain barrier, which the group's timeout bounds)."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        try:
+            return group._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):
+            return None
 
     def close(self) -> None:
         """Nothing to release: the process group belongs to the caller (``destroy_process_group``)."""

@@ -2,29 +2,46 @@
 
     torchrun --nproc_per_node 8 -m experiments.run --preset llama-1.2b --arms adamw,distro --out runs/x
 
-Rank 0 checks the run directory, writes the metrics and the summary. The backend comes from
+Every rank loads the corpus first; only once all have, rank 0 checks the run directory (and, with
+--resume, the checkpoints), so that a start that fails on any rank leaves --out as it was. Rank 0
+writes the metrics and the summary. The backend comes from
 ``distro_opt.comm.resolve_backend()`` once the default process group exists, so bytes are counted by
 the same ``CommStats`` as in-process runs. The train loss is averaged with a plain
 ``torch.distributed.all_reduce`` outside the backend: it is bookkeeping, not training traffic.
 Interrupting a torchrun job kills its ranks; ``--resume`` continues from the last periodic checkpoint.
+A peer that dies or hangs makes each rank print one line and exit with 1 (the group is broken).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
 from distro_opt.comm import resolve_backend
+from distro_opt.comm.torch_backend import CollectiveError
 
 from .checkpoint import CheckpointStore
 from .cli import UsageError, fail, os_error_message
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .metrics import MetricsSink, truncate_metrics
-from .process_group import start_process_group
+from .process_group import RendezvousError, remove_rendezvous_file, start_process_group
 from .train import Job, run_worker
+
+
+def collective(what: str, op, *args, **kwargs):
+    """A plain torch.distributed collective, whose failure (a peer died or hung) raises
+    ``CollectiveError`` like the backend's own collectives, not a raw Gloo/NCCL ``RuntimeError``."""
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError as exc:
+        raise CollectiveError(
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} did not complete ({exc}). A peer "
+            "rank probably died or hung; the process group cannot be used any more"
+        ) from exc
 
 
 class DistLossMean:
@@ -39,40 +56,85 @@ class DistLossMean:
 
     def mean(self, step, world_size):
         t = torch.tensor([self._value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        collective("the train loss all_reduce", dist.all_reduce, t)
         return float(t) / world_size
 
 
 def main_distributed(args, preset, arms) -> int:
-    from .run import check_checkpoints, finish, finished, prepare_out_dir, record_result, run_config
-
     use_cuda = preset.device.startswith("cuda") and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    start_process_group("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=preset.timeout_s))
+    try:
+        rendezvous = start_process_group("nccl" if use_cuda else "gloo",
+                                         datetime.timedelta(seconds=preset.timeout_s))
+    except RendezvousError as exc:
+        return fail(str(exc))
+    try:  # a FileStore deletes its file only when every rank ends cleanly: delete it on every way out
+        return _run_ranks(args, preset, arms, use_cuda, rendezvous)
+    finally:
+        remove_rendezvous_file(rendezvous)
+
+
+def _start_error(start) -> str | None:
+    """What ``start()`` raised, as the one line ``fail`` prints; None if it returned."""
+    try:
+        start()
+    except (CorpusError, UsageError, ValueError) as exc:
+        return str(exc)
+    except OSError as exc:
+        return os_error_message(exc)
+    return None
+
+
+def _first_error(error: str | None, world: int) -> str | None:
+    """Every rank's start-up error exchanged: all ranks stop if any rank cannot start."""
+    errors = [None] * world
+    collective("the start-up all_gather", dist.all_gather_object, errors, error)
+    return next((e for e in errors if e), None)
+
+
+def _abort(exc: CollectiveError, rendezvous) -> None:
+    """A peer died or hung: the group is broken. One line, then exit at once (destroy_process_group
+    could wait on the dead peer; the lock on --out ends with the process)."""
+    message = " ".join(str(exc).split()).rstrip(".")  # one line, even where Gloo's has several
+    print(f"{message}; continue with the same command plus --resume", file=sys.stderr, flush=True)
+    remove_rendezvous_file(rendezvous)
+    os._exit(1)
+
+
+def _run_ranks(args, preset, arms, use_cuda, rendezvous) -> int:
+    from .run import check_checkpoints, finish, finished, prepare_out_dir, record_result, run_config
+
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"
     preset = type(preset)(**{**preset.__dict__, "workers": world, "device": device})
-    error, lock = None, None
+    started = {}
+
+    def load():
+        started["corpus"] = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
+        check_corpus_fits(started["corpus"], seq_len=preset.seq_len, workers=world, sharding=preset.sharding)
+
+    def prepare():  # rank 0, once every rank has its corpus: --out is touched only by a start that goes on
+        corpus = started["corpus"]
+        config = run_config(preset, arms, world, corpus.vocab_size)
+        started["lock"] = prepare_out_dir(args.out, config, args.resume)
+        if args.resume:  # a bad checkpoint: one line naming the file, before any arm trains
+            check_checkpoints(args.out, preset, arms, corpus)
+
     try:
-        corpus = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
-        check_corpus_fits(corpus, seq_len=preset.seq_len, workers=world, sharding=preset.sharding)
-        if rank == 0:
-            lock = prepare_out_dir(args.out, run_config(preset, arms, world, corpus.vocab_size), args.resume)
-            if args.resume:  # a bad checkpoint: one line naming the file, before any arm trains
-                check_checkpoints(args.out, preset, arms, corpus)
-    except (CorpusError, UsageError, ValueError) as exc:
-        error = str(exc)
-    except OSError as exc:
-        error = os_error_message(exc)
-    errors = [None] * world
-    dist.all_gather_object(errors, error)  # every rank stops if any rank cannot start
-    if any(errors):
+        error = _first_error(_start_error(load), world)
+        if error is None:
+            error = _first_error(_start_error(prepare) if rank == 0 else None, world)
+    except CollectiveError as exc:
+        _abort(exc, rendezvous)
+    lock, corpus = started.get("lock"), started.get("corpus")
+    if error is not None:
         if lock is not None:
             lock.close()
         dist.destroy_process_group()
-        return fail(next(e for e in errors if e))
+        return fail(error)
     backend = resolve_backend()
+    sink = None
     try:
         for seed in preset.seed_list():
             for arm in arms:
@@ -80,7 +142,6 @@ def main_distributed(args, preset, arms) -> int:
                     continue
                 job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
                 store = CheckpointStore(args.out, arm.slug, seed, world)
-                sink = None
                 if rank == 0:
                     if args.resume:
                         step = store.latest_step()
@@ -95,16 +156,24 @@ def main_distributed(args, preset, arms) -> int:
                         start_step=store.latest_step() if args.resume else 0,
                         progress=not args.no_progress,
                     )
-                dist.barrier()
+                collective("the barrier before a job", dist.barrier)
                 result = run_worker(backend, job, DistLossMean(device), None, sink)
                 gathered = [None] * world if rank == 0 else None
-                dist.gather_object(result, gathered, dst=0)
+                collective("the gather of the results", dist.gather_object, result, gathered, dst=0)
                 if rank == 0:
                     sink.close()
+                    sink = None
                     record_result(args.out, job, gathered)
         if rank == 0:
-            finish(args.out, plots=not args.no_plots)
+            try:
+                finish(args.out, plots=not args.no_plots)
+            except ValueError as exc:  # files of the run damaged or removed by hand
+                return fail(f"cannot summarize {args.out}: {exc}")
             print((args.out / "summary.md").read_text())
+    except CollectiveError as exc:
+        if sink is not None:
+            sink.close()
+        _abort(exc, rendezvous)
     finally:
         if lock is not None:
             lock.close()

@@ -9,19 +9,21 @@ one all-gather of a compressed payload per step) and trains on its own batches o
 teacher task. Rank 0 prints one line per step: loss | bytes sent | comm s | step s. At the end,
 every rank prints a checksum of its parameters, which must be identical on all ranks.
 
-Without torchrun's environment the script runs as a world of one on 127.0.0.1.
+Before the first step the ranks exchange their start-up checks (the --save-dir and --resume-dir
+files, the arguments, then a checksum of the starting parameters): if any rank cannot start, or
+the ranks would not train the same model, every rank stops with the same one-line error.
+
+Without torchrun's environment the script runs as a world of one (its Gloo socket on 127.0.0.1).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
-import hashlib
 import math
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,13 @@ from torch import nn
 
 from distro_opt import DisTrOAdamW
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
-from distro_opt.experiments.process_group import single_process_group, start_process_group
+from distro_opt.experiments.cli import Parser, fail
+from distro_opt.experiments.ddp_checkpoint import (
+    check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
+)
+from distro_opt.experiments.process_group import (
+    RendezvousError, remove_rendezvous_file, single_process_group, start_process_group,
+)
 
 
 HELP = {
@@ -53,8 +61,8 @@ HELP = {
     "inject_inf": "RANK:STEP: that rank's loss is inf at that step (shows GradScaler's skipped step)",
     "device": "cpu (Gloo) or cuda (NCCL)",
     "timeout_s": "process-group timeout and bound on each wait for a collective, in seconds",
-    "save_dir": "write DIR/rank{r}.pt at the end (an existing file is never overwritten)",
-    "resume_dir": "start from the checkpoints in DIR, saved by any world size",
+    "save_dir": "write DIR/rank{r}.pt at the end; DIR must hold no checkpoint (none is overwritten)",
+    "resume_dir": "start from the checkpoints in DIR, saved by any world size (save to another DIR)",
     "log": "rank 0 prints one line per step",
 }
 DTYPES = ("float32", "bfloat16")
@@ -88,13 +96,23 @@ class TrainConfig:
             raise ValueError(f"Invalid dtype: {self.dtype!r} (expected one of {DTYPES})")
         if not self.steps >= 0:
             raise ValueError(f"Invalid steps: {self.steps}")
+        for name in ("batch_size", "in_features", "hidden", "out_features"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"Invalid {name}: {getattr(self, name)} (expected >= 1)")
         if self.inject_inf and not (self.inject_inf.count(":") == 1
                                     and all(x.isdigit() for x in self.inject_inf.split(":"))):
             raise ValueError(f"Invalid inject_inf: {self.inject_inf!r} (expected RANK:STEP)")
+        if not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"Invalid timeout_s: {self.timeout_s} (expected seconds > 0)")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"Invalid device: {self.device!r} (expected cpu or cuda)")
+        if self.device.startswith("cuda") and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError("device cuda needs a CUDA GPU and a torch build with NCCL; this one has "
+                             f"{'no GPU' if not torch.cuda.is_available() else 'no NCCL'}")
 
     @classmethod
     def from_args(cls, argv=None) -> "TrainConfig":
-        parser = argparse.ArgumentParser(
+        parser = Parser(  # errors: one line, exit code 2
             prog="experiments.train_ddp", description=__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
@@ -107,7 +125,10 @@ class TrainConfig:
                 kind = {"int": int, "float": float}.get(f.type, str)
                 parser.add_argument(flag, type=kind, default=f.default,
                                     help=helptext + " (default: %(default)s)")
-        return cls(**vars(parser.parse_args(argv)))
+        try:
+            return cls(**vars(parser.parse_args(argv)))
+        except ValueError as exc:
+            parser.error(str(exc))
 
 
 class TinyMLP(nn.Module):
@@ -148,9 +169,12 @@ def evaluate(model: nn.Module, cfg: TrainConfig, device) -> float:
     return F.mse_loss(out.float(), y.to(device)).item()
 
 
-def train(cfg: TrainConfig, comm, log=None) -> dict:
-    """Train on ``comm`` (any distro_opt Backend); return losses, timings, bytes and final parameters."""
+def train(cfg: TrainConfig, comm, log=None, on_start=None) -> dict:
+    """Train on ``comm`` (any distro_opt Backend); return losses, timings, bytes and final parameters.
+    ``on_start(model)`` runs once the starting parameters are in place, before the first step."""
     rank, device = comm.rank, torch.device(cfg.device)
+    if cfg.save_dir:  # found now, not after the whole run
+        check_save_dir(cfg.save_dir)
     model = TinyMLP(cfg)
     init_params(model, cfg.seed)
     model.to(device=device, dtype=getattr(torch, cfg.dtype))
@@ -160,6 +184,8 @@ def train(cfg: TrainConfig, comm, log=None) -> dict:
         comm=comm, overlap=cfg.overlap,
     )
     start = load_checkpoint(cfg.resume_dir, rank, comm.world_size, model, opt) if cfg.resume_dir else 0
+    if on_start is not None:
+        on_start(model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.grad_scaler)
     inf_rank, inf_step = map(int, cfg.inject_inf.split(":")) if cfg.inject_inf else (-1, -1)
     eval_start = evaluate(model, cfg, device)
@@ -194,88 +220,101 @@ def train(cfg: TrainConfig, comm, log=None) -> dict:
     }
 
 
-def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model, opt) -> Path:
-    """Write ``directory/rank{rank}.pt``; refuse to overwrite an existing checkpoint."""
-    path = Path(directory) / f"rank{rank}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-             "world_size": world_size, "step": step}
-    with open(path, "xb") as f:  # "x": fails if the file exists
-        torch.save(state, f)
-    return path
-
-
-def load_checkpoint(directory: str, rank: int, world_size: int, model, opt) -> int:
-    """Resume rank ``rank`` of ``world_size`` from checkpoints saved by any world size; return the step.
-
-    Parameters and the Adam-like state are identical on every saving rank (every rank applies the
-    same aggregate), so any file serves them. Only the error-feedback buffer ``delta`` is a rank's
-    own: what it computed but did not send yet. A rank that existed before resumes with its own
-    file; a new rank takes rank 0's file with ``delta`` zeroed (it has sent nothing; copying rank 0's
-    residual would send it twice). When shrinking, the residuals of the removed ranks are dropped
-    (a warning says so): a small loss of not-yet-sent momentum, not an inconsistency.
-    """
-    files = sorted(Path(directory).glob("rank*.pt"))
-    if not files:
-        raise FileNotFoundError(f"No checkpoint files rank*.pt in {directory!r}")
-    own = Path(directory) / f"rank{rank}.pt"
-    state = torch.load(own if own.exists() else files[0], map_location="cpu", weights_only=False)
-    saved_ws = state["world_size"]
-    if len(files) != saved_ws:
-        raise ValueError(f"Checkpoint {directory!r} is incomplete: {len(files)} of {saved_ws} rank files")
-    if rank >= saved_ws:
-        state = torch.load(Path(directory) / "rank0.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    if rank >= saved_ws:
-        for s in opt.state.values():
-            if "delta" in s:
-                s["delta"].zero_()
-    if rank == 0 and saved_ws > world_size:
-        warnings.warn(f"resuming {saved_ws} ranks as {world_size}: the unsent residual momentum of ranks "
-                      f"{world_size}..{saved_ws - 1} is dropped")
-    return state["step"]
-
-
-def checksum(params: dict) -> str:
-    """A short digest of the exact parameter bits, to compare ranks by eye."""
-    digest = hashlib.sha256()
-    for v in params.values():
-        digest.update(v.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def init_group(cfg: TrainConfig) -> None:
-    """Start the process group: torchrun's (or a hand launch's), else a group of this process alone."""
+def init_group(cfg: TrainConfig) -> Path | None:
+    """Start the process group: torchrun's (or a hand launch's), else a group of this process alone.
+    Returns the rendezvous file of a hand launch (start_process_group), else None."""
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    rendezvous = None
     if "RANK" in os.environ:
-        start_process_group(backend, timeout)
+        rendezvous = start_process_group(backend, timeout)
     else:
         single_process_group(backend, timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return rendezvous
 
 
-def main(argv=None) -> None:
+def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
+    """This rank's start-up problem, or the ranks' disagreement, exchanged: every rank gets the same
+    answer (None: all can start), so that none starts training while another stops."""
+    problem = None
+    try:
+        if cfg.save_dir:
+            check_save_dir(cfg.save_dir)
+        if cfg.resume_dir:
+            check_checkpoint_set(cfg.resume_dir)
+    except (OSError, ValueError) as exc:
+        problem = f"rank {rank}: {exc}"
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RANK}
+    settings["device"] = cfg.device.split(":")[0]  # cuda:LOCAL_RANK differs per rank
+    seen = [None] * world_size
+    dist.all_gather_object(seen, (problem, settings))
+    problems = [p for p, _ in seen if p]
+    if problems:
+        return problems[0]
+    differ = [k for k in settings if len({repr(s[k]) for _, s in seen}) > 1]
+    if differ:
+        values = "; ".join(f"{k}: " + ", ".join(repr(s[k]) for _, s in seen) for k in differ)
+        return f"the ranks were started with different arguments ({values}); start every rank alike"
+    return None
+
+
+PER_RANK = ("save_dir", "resume_dir", "log")  # may differ across ranks (e.g. each machine's disk)
+
+
+def check_same_start(model: nn.Module) -> None:
+    """Refuse ranks that would start from different parameters: nothing else makes them equal here
+    (DDP broadcasts rank 0's at construction; DisTrOAdamW neither broadcasts nor checks), and every
+    rank applying the same update to different parameters never converges."""
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, checksum(model.state_dict()))
+    if len(set(seen)) > 1:
+        raise ValueError(
+            "the ranks start from different parameters (checksums: "
+            + ", ".join(f"rank {r}: {c}" for r, c in enumerate(seen)) + "); every rank must start from "
+            "the same model: the same seed and checkpoint, or rank 0's parameters broadcast to all"
+        )
+
+
+def main(argv=None) -> int:
     cfg = TrainConfig.from_args(argv)
     if cfg.device.startswith("cuda"):
         cfg = dataclasses.replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    init_group(cfg)
+    try:
+        rendezvous = init_group(cfg)
+    except RendezvousError as exc:
+        return fail(str(exc))
+    try:  # a FileStore deletes its file only when every rank ends cleanly: delete it on every way out
+        return _main(cfg, rendezvous)
+    finally:
+        remove_rendezvous_file(rendezvous)
+
+
+def _main(cfg: TrainConfig, rendezvous) -> int:
     comm = TorchDistributedBackend(timeout_s=cfg.timeout_s)
     if comm.rank == 0:
         print(f"world size {comm.world_size} | {dist.get_backend()} | {cfg}", flush=True)
     try:
-        log = (lambda line: print(line, flush=True)) if cfg.log and comm.rank == 0 else None
-        result = train(cfg, comm, log=log)
-    except CollectiveError as exc:
+        problem = start_checks(cfg, comm.rank, comm.world_size)
+        if problem is None:
+            log = (lambda line: print(line, flush=True)) if cfg.log and comm.rank == 0 else None
+            result = train(cfg, comm, log=log, on_start=check_same_start)
+    except ValueError as exc:  # check_same_start: raised alike on every rank
+        problem = str(exc)
+    except (CollectiveError, dist.DistError) as exc:
         print(f"rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)  # the group is broken; let torchrun tear the job down
+        remove_rendezvous_file(rendezvous)
+        os._exit(1)  # the group is broken (destroying it may block); let torchrun tear the job down
+    if problem is not None:
+        dist.destroy_process_group()
+        return fail(problem)
     print(f"rank {comm.rank}: eval loss {result['eval_loss']:.6f} | params {checksum(result['params'])} "
           f"| payload {result['payload_nbytes']} B/step | sent {result['bytes_sent']} B "
           f"| mean step {sum(result['step_s']) / max(1, len(result['step_s'])):.4f} s", flush=True)
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -95,8 +95,13 @@ def scenario_wchar(rank, world_size, args):
 
 def scenario_dead_peer(rank, world_size, args):
     """Rank 1 is killed (SIGKILL) or hangs after two all-gathers; rank 0 times its failure in the
-    collective named by args[2] (``gather`` or ``barrier``)."""
-    backend = TorchDistributedBackend(timeout_s=float(args[0]))
+    collective named by args[2] (``gather`` or ``barrier``). args[0]: the backend's timeout_s, or
+    ``group:S`` for none (timeout_s=None) on a group of all ranks whose own timeout is S seconds."""
+    if args[0].startswith("group:"):
+        timeout = datetime.timedelta(seconds=float(args[0][len("group:"):]))
+        backend = TorchDistributedBackend(group=dist.new_group(list(range(world_size)), timeout=timeout))
+    else:
+        backend = TorchDistributedBackend(timeout_s=float(args[0]))
     for i in range(2):
         backend.all_gather(pattern(64, rank, i))
     if rank == 1:
@@ -111,6 +116,12 @@ def scenario_dead_peer(rank, world_size, args):
     res = outcome(collective[args[2]])
     res["elapsed_s"] = time.monotonic() - t0
     return res
+
+
+def scenario_killed(rank, world_size, args):
+    """Every rank is killed (SIGKILL) after one all-gather: the job leaves its rendezvous file."""
+    TorchDistributedBackend(timeout_s=20).all_gather(pattern(8, rank, 0))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def scenario_train(rank, world_size, args):
@@ -153,6 +164,7 @@ SCENARIOS = {
     "sizes": scenario_sizes,
     "wchar": scenario_wchar,
     "dead_peer": scenario_dead_peer,
+    "killed": scenario_killed,
     "train": scenario_train,
 }
 
@@ -165,8 +177,12 @@ def main() -> None:
     backend = os.environ.get("TEST_DIST_BACKEND", "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    start_process_group(backend, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     path = os.path.join(outdir, f"rank{rank}.pt")
+    try:
+        start_process_group(backend, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    except RuntimeError as exc:  # saved as the result of a job named "start", for the test to check
+        torch.save({"start": {"error_type": type(exc).__name__, "error": str(exc)}}, path)
+        os._exit(3)
     results = {}
     for name, scenario, args in jobs:  # one process group serves several jobs: fewer slow launches
         try:

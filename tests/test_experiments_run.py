@@ -23,6 +23,8 @@ from distro_opt.experiments.model import build_model
 from distro_opt.experiments.process_group import one_machine_env
 from distro_opt.experiments.presets import get_preset
 
+from _procs import wait_all
+
 COMPARED = (
     "train_loss",
     "val_loss",
@@ -464,9 +466,10 @@ def _run_two_ranks(args, tmp_path):
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
+                text=True,
             )
         )
-    return [(p.returncode, err.decode()) for p in procs for _, err in [p.communicate(timeout=240)]]
+    return wait_all(procs, 240)
 
 
 def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight, tmp_path):

@@ -364,6 +364,18 @@ def test_barrier_names_the_rank_that_did_not_arrive(tmp_path):
     assert 1.5 < res["elapsed_s"] < 10
 
 
+def test_barrier_without_timeout_s_is_bounded_by_the_groups_own_timeout(tmp_path):
+    # timeout_s=None: "only the group's own timeout applies" (3 s here), not monitored_barrier's
+    # default of 30 minutes
+    results, codes = launch([["hung", "dead_peer", ["group:3", "hung", "barrier"]]], 2, tmp_path,
+                            timeout_s=40, wait_ranks=[0])
+    assert codes[0] == 0, read_logs(tmp_path, 2)
+    res = results[0]["hung"]
+    assert res["error_type"] == "CollectiveError"
+    assert "Ranks 1 failed to pass monitoredBarrier in 3000 ms" in res["error"]
+    assert 2.5 < res["elapsed_s"] < 10
+
+
 # -- construction --------------------------------------------------------------------------------
 
 

@@ -1,0 +1,98 @@
+"""train_ddp's checkpoints: one file per rank, written whole or not at all, and resumed only as a set
+that a single save wrote (on any world size)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+
+def check_save_dir(directory: str) -> None:
+    """A save needs a writable directory that holds no checkpoint: adding rank files to another
+    save's would mix two saves, and replacing them (one file at a time) could too."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    held = sorted(f.name for f in path.glob("rank*.pt"))
+    if held:
+        raise FileExistsError(f"--save-dir {directory} already holds a checkpoint ({', '.join(held)}); "
+                              "choose an empty directory (a checkpoint is never overwritten)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"--save-dir {directory} is not writable")
+
+
+def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model, opt) -> Path:
+    """Write ``directory/rank{rank}.pt``, whole or not at all; refuse to overwrite an existing one."""
+    path = Path(directory) / f"rank{rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+             "world_size": world_size, "step": step}
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")  # not rank*.pt: never read as a checkpoint
+    try:
+        with open(part, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(part, path)  # gives the complete file its name; fails if the name exists
+    finally:
+        part.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(directory: str, rank: int, world_size: int, model, opt) -> int:
+    """Resume rank ``rank`` of ``world_size`` from checkpoints saved by any world size; return the step.
+
+    Parameters and the Adam-like state are identical on every saving rank (every rank applies the
+    same aggregate), so any file serves them. Only the error-feedback buffer ``delta`` is a rank's
+    own: what it computed but did not send yet. A rank that existed before resumes with its own
+    file; a new rank takes rank 0's file with ``delta`` zeroed (it has sent nothing; copying rank 0's
+    residual would send it twice). When shrinking, the residuals of the removed ranks are dropped
+    (a warning says so): a small loss of not-yet-sent momentum, not an inconsistency.
+    """
+    saved_ws = check_checkpoint_set(directory)
+    own = Path(directory) / f"rank{rank if rank < saved_ws else 0}.pt"
+    state = torch.load(own, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    if rank >= saved_ws:
+        for s in opt.state.values():
+            if "delta" in s:
+                s["delta"].zero_()
+    if rank == 0 and saved_ws > world_size:
+        warnings.warn(f"resuming {saved_ws} ranks as {world_size}: the unsent residual momentum of ranks "
+                      f"{world_size}..{saved_ws - 1} is dropped")
+    return state["step"]
+
+
+def check_checkpoint_set(directory: str) -> int:
+    """The world size that saved ``directory``, after checking that its rank files are one save's:
+    the same step, world size and parameters (every saving rank holds the same parameters), and
+    one file per rank. Rank files of different saves would make the ranks diverge silently."""
+    files = sorted(Path(directory).glob("rank*.pt"))
+    if not files:
+        raise FileNotFoundError(f"No checkpoint files rank*.pt in {directory!r}")
+    saves = {}
+    for f in files:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=False)
+            saves[f.name] = (state["step"], state["world_size"], checksum(state["model"]))
+        except Exception as exc:  # noqa: BLE001 - torn or foreign file: torch raises many types
+            raise ValueError(f"Checkpoint file {f} cannot be read ({type(exc).__name__}: {exc})") from None
+    saved_ws = saves[files[0].name][1]
+    if len(files) != saved_ws:
+        raise ValueError(f"Checkpoint {directory!r} is incomplete: {len(files)} of {saved_ws} rank files")
+    if len(set(saves.values())) > 1 or set(saves) != {f"rank{r}.pt" for r in range(saved_ws)}:
+        seen = ", ".join(f"{name} (step {s}, {w} ranks, params {c})" for name, (s, w, c) in saves.items())
+        raise ValueError(f"Checkpoint files in {directory!r} are not from one save: {seen}; "
+                         "resume from a directory that a single save wrote")
+    return saved_ws
+
+
+def checksum(params: dict) -> str:
+    """A short digest of the exact parameter bits, to compare ranks by eye."""
+    digest = hashlib.sha256()
+    for v in params.values():
+        digest.update(v.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,145 @@
+"""experiments.process_group: a rendezvous file left by an earlier job is refused, not hung on; the
+mains delete theirs on every way out; a world of one keeps its socket on 127.0.0.1.
+
+Multi-process tests launch real ranks (Gloo on 127.0.0.1, the rendezvous in a file), each bounded
+by a wall-clock timeout; whatever is left is killed on the way out.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from distro_opt.experiments.process_group import one_machine_env, single_process_group
+
+
+def _load_by_path(name: str, alias: str):
+    # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
+    spec = importlib.util.spec_from_file_location(alias, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_backend_tests = _load_by_path("test_torch_backend", "_torch_backend_tests")  # its rank launcher
+launch, read_logs = _backend_tests.launch, _backend_tests.read_logs
+
+
+def test_rendezvous_file_of_a_killed_job_is_refused_on_every_rank_instead_of_hanging(tmp_path):
+    results, codes = launch([["killed", "killed", []]], 2, tmp_path, timeout_s=40)
+    assert codes == [-signal.SIGKILL] * 2, read_logs(tmp_path, 2)
+    stale = tmp_path / "rendezvous"
+    assert stale.exists()  # a killed rank cannot delete it
+    t0 = time.monotonic()
+    results, codes = launch([["raw", "raw", []]], 2, tmp_path, timeout_s=20)  # the same file
+    assert time.monotonic() - t0 < 15
+    assert codes == [3, 3], read_logs(tmp_path, 2)
+    for res in results:
+        assert res["start"]["error_type"] == "RendezvousError"
+        error = res["start"]["error"]
+        assert error.startswith(f"rendezvous file {stale} is left over from an earlier job (its rank ")
+        assert error.endswith("which has ended); delete it or choose a fresh path for "
+                              "DISTRO_OPT_RENDEZVOUS_FILE")
+    assert stale.exists()  # refused, not deleted: the message says what to do
+
+
+def test_rendezvous_file_nobody_wrote_to_for_longer_than_the_timeout_is_refused(monkeypatch, tmp_path):
+    from distro_opt.experiments.process_group import start_process_group
+
+    stale = tmp_path / "rendezvous"
+    stale.write_bytes(b"\x00" * 16)  # no process records (as left by a version before them)
+    os.utime(stale, (time.time() - 100, time.time() - 100))
+    monkeypatch.setenv("DISTRO_OPT_RENDEZVOUS_FILE", str(stale))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"left over from an earlier job \(last written 100 s ago, longer "
+                                           r"than the 5 s timeout\); delete it or choose a fresh path"):
+        start_process_group("gloo", datetime.timedelta(seconds=5))
+
+
+def _train_ddp(rank, rendezvous, log, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **one_machine_env(rank, 2, rendezvous)}
+    return subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.train_ddp", "--timeout-s", "20",
+                             *args],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_all(procs, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    try:
+        return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def test_a_failed_hand_launched_train_ddp_job_deletes_its_file_and_the_same_command_runs_again(tmp_path):
+    rendezvous, logs = tmp_path / "rendezvous", [tmp_path / "log0.txt", tmp_path / "log1.txt"]
+    with open(logs[0], "w") as log0, open(logs[1], "w") as log1:
+        procs = [_train_ddp(0, rendezvous, log0, "--steps", "100000"),
+                 _train_ddp(1, rendezvous, log1, "--steps", "100000", "--no-log")]
+        deadline = time.monotonic() + 30
+        while "step    2 |" not in logs[0].read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        procs[1].kill()  # a rank dies mid-run: rank 0 leaves through CollectiveError -> os._exit(1)
+        assert _wait_all(procs, 20) == [1, -signal.SIGKILL], logs[0].read_text()[-2000:]
+    assert "rank 0 of 2: all_gather did not complete" in logs[0].read_text()
+    assert not rendezvous.exists()
+    with open(logs[0], "w") as log0, open(logs[1], "w") as log1:  # the same command, after the failure
+        codes = _wait_all([_train_ddp(r, rendezvous, log, "--steps", "2", "--no-log")
+                           for r, log in ((0, log0), (1, log1))], 30)
+    assert codes == [0, 0], logs[0].read_text()[-2000:] + logs[1].read_text()[-2000:]
+    assert not rendezvous.exists()
+
+
+def test_world_of_one_creates_its_gloo_device_on_loopback(monkeypatch):
+    import torch.distributed as dist
+
+    seen = []
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # even where the environment names another one
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda *a, **k: seen.append(os.environ["GLOO_SOCKET_IFNAME"]))
+    single_process_group("gloo", datetime.timedelta(seconds=5))
+    assert seen == ["lo"]
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth0"  # the caller's setting, back
+
+
+LISTENING = textwrap.dedent("""
+    import datetime, os
+    import torch.distributed as dist
+    from distro_opt.experiments.process_group import single_process_group
+
+    single_process_group("gloo", datetime.timedelta(seconds=10))
+    links = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+             if os.path.islink(f"/proc/self/fd/{fd}")]
+    inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                print(table, fields[1])
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_world_of_one_listens_on_127_0_0_1_only():
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    out = subprocess.run([sys.executable, "-c", LISTENING], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    sockets = out.stdout.split("\n")[:-1]
+    assert sockets  # Gloo's transport listens once
+    assert all(s.startswith("/proc/net/tcp 0100007F:") for s in sockets), sockets  # 127.0.0.1, any port

@@ -1,0 +1,75 @@
+"""experiments.run as hand-launched torch.distributed ranks: a start that fails on one rank leaves
+--out untouched, and a peer that dies mid-run makes the other print one line, exit 1 and delete the
+rendezvous file. Ranks are real processes (Gloo on 127.0.0.1, the rendezvous in a file), each
+bounded by a wall-clock timeout; whatever is left is killed on the way out.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from distro_opt.experiments import data
+from distro_opt.experiments.process_group import one_machine_env
+
+from _procs import wait_all
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small byte-level corpus in its own cache: offline and fast."""
+    root = tmp_path_factory.mktemp("corpus")
+    words = ["thou", "art", "king", "lear", "to", "be", "or", "not", "love", "night", "the", "and"]
+    (root / "texts").mkdir()
+    rng = np.random.default_rng(0)
+    (root / "texts" / "play.txt").write_text(" ".join(words[i] for i in rng.integers(0, len(words), 20_000)))
+    data.prepare(str(root / "texts"), "byte", cache=root / "cache")
+    return root / "texts", root / "cache"
+
+
+def run_args(corpus, out, cache=None, steps=4, arms="distro"):
+    folder, prepared = corpus
+    return ["--preset", "smoke", "--arms", arms, "--workers", "2", "--out", out,
+            "--cache", cache or prepared, "--corpus", folder, "--tokenizer", "byte",
+            "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--d-ff", "64", "--seq-len", "32",
+            "--batch-size", "2", "--steps", steps, "--warmup-steps", "1", "--eval-every", "1000",
+            "--eval-batches", "1", "--eval-batch-size", "2", "--checkpoint-every", "1000",
+            "--no-progress", "--no-plots", "--timeout-s", "20"]
+
+
+def start_ranks(tmp_path, rank_args, rendezvous):
+    return [subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.run", *map(str, args)],
+                             cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                **one_machine_env(rank, 2, rendezvous)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for rank, args in enumerate(rank_args)]
+
+
+def test_a_start_that_fails_on_another_rank_leaves_out_untouched(corpus, tmp_path):
+    out = tmp_path / "run"  # rank 1's corpus cache is missing, as on a second machine without it
+    rank_args = [run_args(corpus, out), run_args(corpus, out, cache=tmp_path / "no-cache")]
+    for code, err in wait_all(start_ranks(tmp_path, rank_args, tmp_path / "rendezvous"), 60):
+        assert code == 2 and err.startswith("error: Corpus ") and "is not prepared in" in err, err
+        assert err.count("\n") == 1, err
+    assert not out.exists()  # the same command can run once the cache is there: no run to --resume
+
+
+def test_a_peer_dying_mid_run_is_one_line_and_exit_1_and_the_rendezvous_file_is_deleted(corpus, tmp_path):
+    out, rendezvous = tmp_path / "run", tmp_path / "rendezvous"
+    procs = start_ranks(tmp_path, [run_args(corpus, out, steps=100000)] * 2, rendezvous)
+    deadline = time.monotonic() + 60
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
+        assert time.monotonic() < deadline and procs[0].poll() is None, "rank 0 never started training"
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGKILL)
+    (code, err), (killed, _) = wait_all(procs, 30)
+    assert killed == -signal.SIGKILL
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("rank 0 of 2: ") and " did not complete (" in err, err
+    assert err.endswith("; continue with the same command plus --resume\n"), err
+    assert not rendezvous.exists()

@@ -1,0 +1,140 @@
+"""experiments.train_ddp's start-up: checkpoints refused before training, written whole or not at
+all, rank files of one save only; ranks that would train different models refused; bad arguments
+as one line. Multi-process tests launch real ranks (Gloo on 127.0.0.1, the rendezvous in a file),
+each bounded by a wall-clock timeout; whatever is left is killed on the way out.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distro_opt.comm import InProcessBackend, SingleWorkerBackend
+from distro_opt.experiments import train_ddp
+from distro_opt.experiments.process_group import one_machine_env
+from distro_opt.experiments.train_ddp import TrainConfig, train
+
+from _procs import wait_all
+
+
+def two_ranks(tmp_path, rank_args, timeout_s=40):
+    """``python -m experiments.train_ddp`` as 2 hand-launched ranks; [(exit code, stderr)] per rank."""
+    rendezvous, procs = tmp_path / f"rendezvous{time.monotonic_ns()}", []
+    for rank, args in enumerate(rank_args):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **one_machine_env(rank, 2, rendezvous)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.train_ddp", "--no-log",
+                                       "--timeout-s", "20", *map(str, args)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    return wait_all(procs, timeout_s)
+
+
+def one_line_error_on_every_rank(results, text):
+    for code, err in results:
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+        assert text in err, err
+
+
+# -- --save-dir ----------------------------------------------------------------------------------
+
+
+def test_a_save_dir_holding_a_checkpoint_is_refused_before_the_first_step(tmp_path):
+    train(TrainConfig(steps=1, log=False, save_dir=str(tmp_path)), SingleWorkerBackend())
+    steps = []
+    with pytest.raises(FileExistsError, match=f"--save-dir {tmp_path} already holds a checkpoint "
+                                              r"\(rank0.pt\); choose an empty directory"):
+        train(TrainConfig(steps=3, save_dir=str(tmp_path)), SingleWorkerBackend(), log=steps.append)
+    assert steps == []
+
+
+def test_a_save_cut_short_leaves_no_checkpoint_file(tmp_path, monkeypatch):
+    def cut_short(obj, f):  # a kill or a full disk halfway through the write
+        f.write(b"PK\x03\x04 half a zip")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        train(TrainConfig(steps=1, log=False, save_dir=str(tmp_path)), SingleWorkerBackend())
+    assert list(tmp_path.iterdir()) == []  # no torn rank0.pt that resuming would trip over
+    monkeypatch.undo()
+    train(TrainConfig(steps=1, log=False, save_dir=str(tmp_path)), SingleWorkerBackend())
+    assert [f.name for f in tmp_path.iterdir()] == ["rank0.pt"]
+
+
+def test_a_checkpoint_on_one_rank_stops_every_rank_at_start_with_one_line(tmp_path):
+    held = tmp_path / "b"
+    train(TrainConfig(steps=1, log=False, save_dir=str(held)), SingleWorkerBackend())
+    t0 = time.monotonic()
+    results = two_ranks(tmp_path, [["--steps", "100000", "--save-dir", tmp_path / "a"],  # each its own disk
+                                   ["--steps", "100000", "--save-dir", held]])
+    one_line_error_on_every_rank(results, f"rank 1: --save-dir {held} already holds a checkpoint (rank0.pt)")
+    assert time.monotonic() - t0 < 30  # 100000 steps were not run first
+
+
+# -- --resume-dir --------------------------------------------------------------------------------
+
+
+def save_two_ranks(directory, steps, seed=0):
+    cfg = TrainConfig(steps=steps, seed=seed, log=False, save_dir=str(directory))
+    InProcessBackend.run(2, lambda backend: train(cfg, backend), timeout_s=60)
+
+
+def test_rank_files_of_different_saves_are_refused_naming_them(tmp_path):
+    save_two_ranks(tmp_path / "a", 2)
+    save_two_ranks(tmp_path / "b", 3, seed=1)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(tmp_path / "a" / "rank0.pt", mixed)
+    shutil.copy(tmp_path / "b" / "rank1.pt", mixed)
+    with pytest.raises(ValueError, match=rf"Checkpoint files in '{mixed}' are not from one save: "
+                                         r"rank0.pt \(step 2, 2 ranks, params \w+\), "
+                                         r"rank1.pt \(step 3, 2 ranks, params \w+\)"):
+        train(TrainConfig(steps=1, log=False, resume_dir=str(mixed)), SingleWorkerBackend())
+
+
+def test_ranks_resuming_from_different_checkpoints_are_refused_before_training(tmp_path):
+    # Each rank's directory is one save's (as on two machines), but not the same save's.
+    for name, seed in (("a", 0), ("b", 1)):
+        cfg = TrainConfig(steps=1, seed=seed, log=False, save_dir=str(tmp_path / name))
+        train(cfg, SingleWorkerBackend())
+    results = two_ranks(tmp_path, [["--resume-dir", tmp_path / "a"], ["--resume-dir", tmp_path / "b"]])
+    one_line_error_on_every_rank(results, "the ranks start from different parameters (checksums: rank 0: ")
+
+
+def test_ranks_started_with_different_arguments_are_refused(tmp_path):
+    results = two_ranks(tmp_path, [["--seed", "0"], ["--seed", "1"]])
+    one_line_error_on_every_rank(results, "the ranks were started with different arguments (seed: 0, 1)")
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_group_left():
+    yield
+    if dist.is_initialized():  # the code before the fix started a group, then raised
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dtype", "float16"], "Invalid dtype: 'float16'"),
+    (["--steps", "-1"], "Invalid steps: -1"),
+    (["--inject-inf", "1:x"], "Invalid inject_inf: '1:x'"),
+    (["--timeout-s", "0"], "Invalid timeout_s: 0.0"),
+    (["--hidden", "0"], "Invalid hidden: 0 (expected >= 1)"),
+    pytest.param(["--device", "cuda"], "device cuda needs a CUDA GPU and a torch build with NCCL",
+                 marks=pytest.mark.skipif(torch.cuda.is_available() and dist.is_nccl_available(),
+                                          reason="CUDA and NCCL are here")),
+], ids=["dtype", "steps", "inject-inf", "timeout-s", "hidden", "device-cuda"])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys, monkeypatch, no_group_left):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        train_ddp.main(argv + ["--steps", "1"] if argv[0] != "--steps" else argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith(f"experiments.train_ddp: error: {message}") and err.count("\n") == 1, err
