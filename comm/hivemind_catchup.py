@@ -1,10 +1,10 @@
-"""Catching up in the hivemind backend: round logs for peers that fell behind, state for joiners.
+"""Catching up in the hivemind backend: state for joiners and for peers that fell out of sync.
 
-``CatchUp`` is a mixin of ``HivemindBackend``. A peer keeps the contributors and payloads of its
-last ``log_rounds`` rounds; a peer that finds a round already finished (or that another voter saw
-more than it did) fetches that round from it. A joining peer downloads a live peer's state, made by
-that peer's ``state_provider`` between two training steps (under ``state_lock``) and sent in the
-safe format of ``hivemind_state`` (nothing received is unpickled).
+``CatchUp`` is a mixin of ``HivemindBackend`` (round logs are in ``hivemind_adopt``). A joining peer
+downloads a live peer's state, made by that peer's ``state_provider`` between two training steps
+(under ``state_lock``) and sent in the safe format of ``hivemind_state`` (nothing received is
+unpickled). A peer serves one snapshot at a time, only to admissible peers, and waits for the state
+lock at most ``snapshot_lock_s`` (two rounds), so that requesters cannot pile up threads.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class HivemindBackendError(RuntimeError):
 
 
 class CatchUp:
-    """Round logs and state download (mixin)."""
+    """State download and serving (mixin)."""
 
     def load_state_from_peers(self, prefer=None, timeout_s: float | None = None):
         """Download a live peer's state (made by its ``state_provider``) and take its step number."""
@@ -42,96 +42,59 @@ class CatchUp:
         for peer in candidates:
             try:
                 blob = self._call(self._fetch_state(peer), timeout_s or self.state_timeout_s)
-                tree = load_state(blob)
-                step = tree.get("step") if isinstance(tree, dict) else None
-                if not isinstance(step, int) or step < 0:
-                    raise ValueError("state has no valid step number")
+                step, state = checked_state(load_state(blob))
             except Exception as exc:  # noqa: BLE001 - try the next peer
                 errors.append(f"{peer[-8:]}: {type(exc).__name__}: {exc}")
                 continue
-            self._call(self._reset(step), 10)
+            try:
+                self._call(self._reset(step), 10)
+            except Exception as exc:  # noqa: BLE001 - peer.py catches only HivemindBackendError
+                raise HivemindBackendError(f"could not move to step {step}: {type(exc).__name__}") from exc
             self.out_of_sync = False
-            return tree["state"]
+            return state
         raise HivemindBackendError(
             f"no peer of run {self.run_id!r} served its state ({'; '.join(errors) or 'none'})"
         )
 
-    # ----- catching up: round logs and state ---------------------------------------------------
-    async def _adopt(self, r, peers: list[str]) -> list[tuple[str, bytes]] | None:
-        """The contributors (and payloads) another peer applied for this round, from its log."""
-        loop = asyncio.get_running_loop()
-        for peer in peers:
-            remaining = r.deadline - loop.time()
-            if remaining <= 0:
-                break
-            try:
-                return await asyncio.wait_for(self._fetch_log(peer, r.step, len(r.own)), remaining)
-            except Exception as exc:  # noqa: BLE001 - ask the next peer
-                logger.debug("log of step %d from %s failed: %s: %s", r.step, peer, type(exc).__name__, exc)
-        return None
-
-    async def _fetch_log(self, peer: str, step: int, nbytes: int) -> list[tuple[str, bytes]]:
-        _, reader, writer = await self._p2p.call_binary_stream_handler(
-            PeerID.from_base58(peer), f"distro/{self.run_id}/log"
-        )
-        try:
-            writer.write(wire.LOG_REQUEST.pack(wire.LOG_MAGIC, step))
-            if (await reader.readexactly(1))[0] != wire.OK:
-                raise HivemindBackendError(f"peer has no log of step {step}")
-            header = await wire.read_frame(
-                reader, wire.U32, wire.MAX_LOG_ENTRY_NBYTES * self.max_peers, "log"
-            )
-            peers = wire.decode_log(header, step)
-            if not peers or len(peers) > self.max_peers:
-                raise HivemindBackendError("log has no or too many contributors")
-            out = [(p, await reader.readexactly(nbytes)) for p in sorted(peers)]
-            if any(wire.digest(p, b) != peers[p] for p, b in out):
-                raise HivemindBackendError("log payload does not match its digest")
-            return out
-        finally:
-            writer.close()
-
-    async def _on_log(self, info, reader, writer) -> None:
-        try:
-            magic, step = wire.LOG_REQUEST.unpack(
-                await asyncio.wait_for(reader.readexactly(wire.LOG_REQUEST.size), 5)
-            )
-            r = self._rounds.get(step)
-            if magic == wire.LOG_MAGIC and r is not None and r.own_ready.is_set():
-                await asyncio.wait_for(r.finished.wait(), self.step_timeout_s)
-            entries = self._log.get(step) if magic == wire.LOG_MAGIC else None
-            if not entries:
-                writer.write(bytes([wire.MISSING]))
-                return
-            writer.write(bytes([wire.OK]))
-            await wire.write_frame(
-                writer, wire.U32, wire.encode_log(step, {p: wire.digest(p, b) for p, b in entries})
-            )
-            for _, b in entries:
-                writer.write(b)
-            await asyncio.wait_for(writer.drain(), self.step_timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            logger.debug("log request failed: %s", exc)
-        finally:
-            writer.close()
+    # ----- state ---------------------------------------------------------------------------
+    @property
+    def snapshot_lock_s(self) -> float:
+        """How long a snapshot waits for ``state_lock``: a training step holds it for its compute and
+        one round (at most ``step_timeout_s``); longer waits would only park threads for requesters."""
+        return min(self.state_timeout_s, 2 * self.step_timeout_s)
 
     def _snapshot(self) -> bytes:
-        if not self.state_lock.acquire(timeout=self.state_timeout_s):
+        if not self.state_lock.acquire(timeout=self.snapshot_lock_s):
             raise HivemindBackendError("training step held the state lock too long")
         try:
-            return dump_state({"step": self._low, "state": self.state_provider()})
+            # the provider first: one that flushes a pending round (DisTrOAdamW.state_dict() with
+            # overlap) moves the step, and the state must be labelled with the step it is at
+            state = self.state_provider()
+            return dump_state({"step": self._low, "state": state})
         finally:
             self.state_lock.release()
 
     async def _on_state(self, info, reader, writer) -> None:
         try:
             magic = await asyncio.wait_for(reader.readexactly(len(wire.STATE_MAGIC)), 5)
-            if magic != wire.STATE_MAGIC or self.state_provider is None or self.out_of_sync:
+            if (
+                magic != wire.STATE_MAGIC
+                or self.state_provider is None
+                or self.out_of_sync
+                or self._snapshot_busy  # one at a time: each holds a thread and a copy of the state
+                or not self._admissible(info.peer_id.to_base58())
+            ):
                 writer.write(bytes([wire.MISSING]))
                 return
-            blob = await asyncio.to_thread(self._snapshot)
+            self._snapshot_busy = True
+            try:
+                blob = await asyncio.to_thread(self._snapshot)
+            finally:
+                self._snapshot_busy = False
             writer.write(bytes([wire.OK]))
             await asyncio.wait_for(wire.write_frame(writer, wire.U64, blob), self.state_timeout_s)
+        except asyncio.CancelledError:
+            pass  # the backend is closing: asyncio would print the cancellation as an error
         except Exception as exc:  # noqa: BLE001
             logger.debug("state request failed: %s", exc)
         finally:
@@ -157,3 +120,13 @@ class CatchUp:
         self._finished.clear()
         self._log.clear()
         self._low = self._next = step
+
+
+def checked_state(tree) -> tuple[int, object]:
+    """``(step, state)`` of a downloaded tree, or ``ValueError`` before anything of this peer changes."""
+    if not isinstance(tree, dict) or "state" not in tree:
+        raise ValueError("state blob has no 'state' entry")
+    step = tree.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError("state has no valid step number")
+    return step, tree["state"]

@@ -273,11 +273,9 @@ def main(argv=None) -> int:
                     next(model.parameters()).add_(1e-3)
             if backend.out_of_sync:
                 resync(backend, model, opt, summary)
-            elif args.checksum_every and (step + 1) % args.checksum_every == 0:
-                published[step] = checksum(model)
-                backend.publish_checksum(step, published[step])
-            elif args.checksum_every and step - 2 in published:
-                guard_replica(backend, model, opt, step - 2, published.pop(step - 2), summary)
+                published.clear()  # checksums of the replica we just replaced compare nothing
+            elif args.checksum_every:
+                check_replica(backend, model, opt, step, args.checksum_every, published, summary)
             if args.step_delay_s:
                 time.sleep(args.step_delay_s)
         summary.update(
@@ -319,6 +317,23 @@ def resync(backend, model, opt, summary: dict, prefer=None) -> None:
         return
     summary["resyncs"] += 1
     print(f"resynced at step {backend.step}", flush=True)
+
+
+def check_replica(backend, model, opt, step: int, every: int, published: dict, summary: dict) -> None:
+    """After ``step``: compare the checksum published two steps ago (if any), then publish ours every
+    ``every`` steps. Comparing and publishing are separate decisions: with ``every`` <= 2 a step can
+    be both, and each published checksum is compared once, then dropped (``published`` stays small)."""
+    for old in [s for s in published if s < step - 2]:
+        del published[old]  # a resync moved our step past it: nothing to compare it with
+    if step - 2 in published:
+        resyncs = summary["resyncs"]
+        guard_replica(backend, model, opt, step - 2, published.pop(step - 2), summary)
+        if summary["resyncs"] != resyncs:
+            published.clear()  # our state (and step) just changed: its checksum is not "after step"
+            return
+    if (step + 1) % every == 0:
+        published[step] = checksum(model)
+        backend.publish_checksum(step, published[step])
 
 
 def guard_replica(backend, model, opt, step: int, mine: str, summary: dict) -> None:

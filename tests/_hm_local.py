@@ -1,0 +1,126 @@
+"""Test helper: HivemindBackends in this process, each on its own DHT, all on 127.0.0.1.
+
+Shared by the ``test_hivemind_*`` modules that run peers in one process. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+import hivemind
+import pytest
+import torch
+
+from distro_opt.comm.hivemind_backend import HivemindBackend, dht_options
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+STEP_TIMEOUT_S = 2.0
+
+
+def dhts_fixture(n: int):
+    """A module-scoped pytest fixture of ``start_dhts(n)``, shut down after the module's tests."""
+    @pytest.fixture(scope="module")
+    def dhts():
+        nodes = start_dhts(n)
+        yield nodes
+        for dht in nodes:
+            dht.shutdown()
+
+    return dhts
+
+
+def start_dhts(n: int) -> list:
+    """``n`` DHT nodes on loopback, all bootstrapped from the first (shut them down when done)."""
+    options = dht_options([LOOPBACK], None)  # what a HivemindBackend would start with
+    first = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], **options)
+    maddrs = [str(m) for m in first.get_visible_maddrs()]
+    assert all(m.startswith("/ip4/127.0.0.1/") for m in maddrs)
+    others = [
+        hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=maddrs, **options)
+        for _ in range(n - 1)
+    ]
+    return [first, *others]
+
+
+@contextmanager
+def group(dhts, n=3, options=None, wait=True, classes=None):
+    """``n`` backends of a fresh run on the shared DHTs; ``options[i]`` are extra kwargs of backend i,
+    ``classes[i]`` a subclass to use for it (a misbehaving peer)."""
+    run_id = f"t{uuid.uuid4().hex[:10]}"
+    backends = []
+    try:
+        for i in range(n):
+            kwargs = dict(step_timeout_s=STEP_TIMEOUT_S, heartbeat_s=0.3, ttl_s=1.5, exclude_s=30.0)
+            kwargs.update((options or {}).get(i, {}))
+            cls = (classes or {}).get(i, HivemindBackend)
+            backends.append(cls(run_id, dht=dhts[i], **kwargs))
+        if wait:
+            wait_all(backends, n - 1)
+        yield backends
+    finally:
+        for b in backends:
+            b.close()
+
+
+def wait_all(backends, n):
+    """Every backend announces itself and waits for ``n`` others (in parallel, as separate peers would);
+    ``n`` may be a list, one count per backend."""
+    counts = [None] * len(backends)
+    wanted = list(n) if isinstance(n, (list, tuple)) else [n] * len(backends)
+
+    def run(i):
+        counts[i] = backends[i].wait_for_peers(wanted[i], 10)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(backends))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert counts == wanted
+
+
+def wait_all_visible(backends, timeout_s=10.0):
+    """Every backend announces itself; wait until each one's view lists all the others as active
+    (allow lists aside: what the view holds, not what ``wait_for_peers`` counts)."""
+    for b in backends:
+        b.wait_for_peers(0, 0)
+    deadline = time.monotonic() + timeout_s
+
+    def visible(b):
+        active = {p for p, rec in b.membership.view().items() if rec.state == "active"}
+        return {o.peer_id for o in backends if o is not b} <= active
+
+    while not all(visible(b) for b in backends):
+        assert time.monotonic() < deadline, "the peers did not see each other"
+        time.sleep(0.1)
+
+
+def gather(pairs, timeout_s=3 * STEP_TIMEOUT_S + 5):
+    """Run ``backend.all_gather(buf)`` for each (backend, buf) on its own thread; return results and times."""
+    results, times = [None] * len(pairs), [None] * len(pairs)
+
+    def run(i, backend, buf):
+        t0 = time.monotonic()
+        results[i] = backend.all_gather(buf)
+        times[i] = time.monotonic() - t0
+
+    threads = [
+        threading.Thread(target=run, args=(i, b, buf), daemon=True) for i, (b, buf) in enumerate(pairs)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert all(r is not None for r in results), "a gather did not return"
+    return results, times
+
+
+def filled(value, n=1000):
+    return torch.full((n,), value, dtype=torch.uint8)
+
+
+def firsts(bufs):
+    return [int(b[0]) for b in bufs]
