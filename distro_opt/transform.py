@@ -19,6 +19,7 @@ import platform
 
 import torch
 
+from . import native
 from .kept import kept_tensors
 
 # ``accumulate`` works in slabs of about this many elements (1 MB of float32), so the intermediate
@@ -205,7 +206,9 @@ class DCTTransform:
 
         ``peaks`` (optional, flat, one entry per run of ``chunk[-1]`` coefficients along the last
         axis of ``out``) receives each run's largest magnitude where the path can take it while the
-        slab is in cache (the oneDNN path); returns whether it did.
+        slab is in cache (the native kernel and the oneDNN path); returns whether it did.
+
+        float32 CPU matrices of 64 x 64 chunks go to the C kernel where it was built (``native``).
 
         On the CPU the xs are taken in slabs of whole first-axis blocks, about ``SLAB_NUMEL``
         elements each (several small tensors share one; elsewhere the whole run is one slab), so the
@@ -219,8 +222,11 @@ class DCTTransform:
         c, rest = chunk[0], n // shape[0]
         inner = [axis for axis in range(1, len(chunk)) if chunk[axis] > 1]  # transformed before the first
         last_only = inner == [len(chunk) - 1]
-        onednn = _onednn_computes(old)
-        if self.fills_peaks(chunk, old):
+        onednn = _onednn_computes(out)
+        if self._native(chunk, out):
+            native.accumulate(xs, old, out, decay, scale, peaks)
+            return peaks is not None
+        if self.fills_peaks(chunk, out):  # old may be None here (``forward``), out never
             self._accumulate_onednn(xs, chunk, old, out, decay, scale, peaks)
             return peaks is not None
         if last_only:  # the last axis alone (a matrix's case): one GEMM per part, on rows of that axis
@@ -269,9 +275,15 @@ class DCTTransform:
 
     @classmethod
     def fills_peaks(cls, chunk: tuple[int, ...], like: torch.Tensor) -> bool:
-        """Whether ``accumulate`` into tensors like ``like`` takes the oneDNN matrix path
-        (``_accumulate_onednn``), the one that fills ``peaks``."""
-        return _onednn_computes(like) and cls.first_and_last_only(chunk)
+        """Whether ``accumulate`` into tensors like ``like`` takes a path that fills ``peaks``: the
+        native kernel's or the oneDNN matrix path (``_accumulate_onednn``)."""
+        return cls._native(chunk, like) or (_onednn_computes(like) and cls.first_and_last_only(chunk))
+
+    @staticmethod
+    def _native(chunk: tuple[int, ...], like: torch.Tensor) -> bool:
+        """Whether the C kernel (``native``) takes the transform: float32 CPU matrices of 64 x 64
+        chunks, unless the user's bf16 opt-in asks for oneDNN's bf16 GEMMs (``onednn_gemm_dtype``)."""
+        return native.handles(chunk, like) and onednn_gemm_dtype() == torch.float32
 
     def _accumulate_onednn(self, xs, chunk, old, out, decay, scale, peaks=None):
         """``accumulate`` for tensors whose chunks span the first and the last axis only (matrices),
@@ -351,9 +363,9 @@ class DCTTransform:
         """DCT of every chunk of ``x``, left in ``x``'s own layout (element [i, j] of a 2-D tensor is
         coefficient (i mod c_1, j mod c_2) of chunk (i // c_1, j // c_2)). May return ``x`` itself when
         no dimension is transformed."""
-        if self.fills_peaks(chunk, x):  # the oneDNN matrix path
+        if self.fills_peaks(chunk, x):  # the native kernel or the oneDNN matrix path
             out = torch.empty(x.shape, dtype=x.dtype)
-            self._accumulate_onednn([x], chunk, None, out.view(-1), decay=0.0, scale=1.0)
+            self.accumulate([x], chunk, None, out.view(-1), decay=0.0, scale=1.0)
             return out
         return self._apply(x, tuple(x.shape) or (1,), chunk, inverse=False)
 

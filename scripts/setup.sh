@@ -20,7 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.distro-opt-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $TORCH_SPEC $EXTRAS ${TORCH_INDEX_URL:-}"
+# (setup.py and distro_opt/csrc: the native DCT kernel, compiled by the editable install below)
+sources="$(cat pyproject.toml setup.py scripts/setup.sh distro_opt/csrc/* | sha256sum | cut -d' ' -f1)"
+want="$sources $TORCH_SPEC $EXTRAS ${TORCH_INDEX_URL:-}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -39,5 +41,6 @@ else
     pip_install "$TORCH_SPEC"
 fi
 pip_install -e ".[$EXTRAS]"
-"$VENV/bin/python" -c "import torch, distro_opt.comm; print('distro-opt ready: torch', torch.__version__)"
+"$VENV/bin/python" -c "import torch, distro_opt.comm, distro_opt.native as n
+print('distro-opt ready: torch', torch.__version__, '| native DCT kernel:', n.status())"
 echo "$want" > "$stamp"

@@ -8,6 +8,7 @@ import scipy.fft
 import torch
 
 from distro_opt.transform import DCTTransform, chunk_size, dct_matrix
+import distro_opt.native as native_module
 import distro_opt.transform as transform_module
 
 
@@ -48,12 +49,19 @@ class _GemmSpy:
 
 # float64 runs torch.mm; float32 runs oneDNN's GEMM for the forward transform where torch has it,
 # and torch.mm when it does not (the "torch" case takes oneDNN away)
-GEMMS = [(torch.float64, "torch", 1e-10), (torch.float32, "torch", 2e-5), (torch.float32, "onednn", 2e-5)]
+GEMMS = [(torch.float64, "torch", 1e-10), (torch.float32, "torch", 2e-5), (torch.float32, "onednn", 2e-5),
+         (torch.float32, "native", 2e-5)]
 
 
 @pytest.fixture
 def forward_gemm(request, monkeypatch):
-    """Sets which GEMM the forward transform may use; returns the spy on oneDNN's (None: not allowed)."""
+    """Sets what the forward transform may use: torch's GEMMs, oneDNN's (returns the spy on them), or
+    the native kernel for float32 matrices of 64 x 64 chunks (returns "native"; the GEMMs elsewhere)."""
+    if request.param == "native":
+        if not native_module.handles((64, 64), torch.zeros(1)):
+            pytest.skip(f"the native kernel does not run here ({native_module.status()})")
+        return "native"
+    monkeypatch.setattr(native_module, "handles", lambda chunk, like: False)
     if request.param == "torch":
         monkeypatch.setattr(transform_module, "_ONEDNN_LINEAR", None)
         return None
@@ -161,15 +169,20 @@ def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(
     )
     want = 0.9 * old + 0.5 * np.concatenate([_scipy_own_layout(x, chunk).reshape(-1) for x in xs])
     np.testing.assert_allclose(out.numpy(), want, atol=atol)
-    # the run peaks come with the oneDNN path (matrices in float32), exactly max |out| of each run
-    assert filled == (forward_gemm is not None and DCTTransform.first_and_last_only(chunk))
+    # the run peaks come with the oneDNN path (matrices in float32) and the native kernel (64 x 64
+    # chunks), exactly max |out| of each run
+    if forward_gemm == "native":  # the other matrices take oneDNN where this torch has it
+        onednn = transform_module._ONEDNN_LINEAR is not None
+        assert filled == (tuple(chunk) == (64, 64) or onednn and DCTTransform.first_and_last_only(chunk))
+    else:
+        assert filled == (forward_gemm is not None and DCTTransform.first_and_last_only(chunk))
     if filled:
         assert torch.equal(peaks, out.view(-1, chunk[-1]).abs().amax(1))
     # forward / inverse use the same layout
     x = torch.from_numpy(xs[0]).to(dtype)
     np.testing.assert_allclose(t.forward(x, chunk).numpy(), _scipy_own_layout(xs[0], chunk), atol=atol)
     torch.testing.assert_close(t.inverse(t.forward(x, chunk), chunk), x, atol=atol / 10, rtol=0)
-    if forward_gemm is not None:  # every shape here has a transformed last axis
+    if forward_gemm not in (None, "native"):  # every shape here has a transformed last axis
         assert forward_gemm.calls > 0
 
 
