@@ -95,9 +95,11 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     are accepted and have no effect (this step has its own kernels); ``capturable=True`` and
     ``differentiable=True`` are refused.
 
-    On a CPU with bf16 arithmetic, torch's process-wide ``torch.backends.mkldnn.matmul.fp32_precision
-    = "bf16"`` (the user's choice; never set here) also lets the forward DCT of float32 matrices run
-    its GEMMs in bf16: a faster step, each step's DCT of the gradient off by ~0.4%.
+    On the CPU the forward DCT of float32 matrices of 64x64 chunks runs in a C kernel where it was
+    built (``distro_opt.native``). On the GEMM path (other chunks, or no kernel), on a CPU with bf16
+    arithmetic, torch's process-wide ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` (the
+    user's choice; never set here) also lets those GEMMs run in bf16: a faster step, each step's DCT
+    of the gradient off by ~0.4%.
     """
 
     _optional_group_keys = tuple(ADAMW_FLAGS)

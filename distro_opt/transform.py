@@ -282,8 +282,9 @@ class DCTTransform:
     @staticmethod
     def _native(chunk: tuple[int, ...], like: torch.Tensor) -> bool:
         """Whether the C kernel (``native``) takes the transform: float32 CPU matrices of 64 x 64
-        chunks, unless the user's bf16 opt-in asks for oneDNN's bf16 GEMMs (``onednn_gemm_dtype``)."""
-        return native.handles(chunk, like) and onednn_gemm_dtype() == torch.float32
+        chunks. It is faster than oneDNN's GEMMs in bf16 too, so the bf16 opt-in
+        (``onednn_gemm_dtype``) acts on the GEMM path only."""
+        return native.handles(chunk, like)
 
     def _accumulate_onednn(self, xs, chunk, old, out, decay, scale, peaks=None):
         """``accumulate`` for tensors whose chunks span the first and the last axis only (matrices),

@@ -158,3 +158,21 @@ def test_the_environment_switch_turns_the_kernel_off():
     env = {**os.environ, native.ENV: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == f"off: disabled by {native.ENV}=0", out.stderr
+
+
+@needs_kernel
+def test_the_kernel_keeps_float32_under_the_users_bf16_matmul_setting():
+    """``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` lets oneDNN's GEMMs round to bf16 on
+    the GEMM path; the kernel, faster than those too, stays float32."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    if matmul is None:
+        pytest.skip("this torch has no fp32_precision setting")
+    x = torch.randn(128, 192)
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        ours = DCTTransform().forward(x, (64, 64))
+    finally:
+        matmul.fp32_precision = before
+    want = _reference(x.numpy(), np.zeros((128, 192), np.float32), 0.0, 1.0)
+    np.testing.assert_allclose(ours.numpy(), want, atol=2e-5, rtol=0)

@@ -189,7 +189,8 @@ def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(
 @pytest.fixture
 def bf16_allowed():
     """torch's process-wide permission for oneDNN to compute float32 matmuls in bf16, given for the
-    test (set it back to False inside to take it away) and restored after."""
+    test (set it back to False inside to take it away) and restored after; on the GEMM path (the
+    native kernel, which it does not reach, off)."""
     if not transform_module._ONEDNN_BF16:
         pytest.skip("this CPU (or this torch build) has no oneDNN bf16 arithmetic")
     matmul = torch.backends.mkldnn.matmul
@@ -199,7 +200,8 @@ def bf16_allowed():
         matmul.fp32_precision = "bf16" if yes else "none"
 
     allow()
-    yield allow
+    with native_module.disabled():
+        yield allow
     matmul.fp32_precision = before
 
 
