@@ -2,25 +2,48 @@
 that a single save wrote (on any world size)."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import secrets
 import warnings
 from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: leftovers of killed saves are not cleaned up
+    fcntl = None
+
+# os.link's errors on a file system without hard links (FAT/exFAT, most FUSE object-store mounts,
+# SMB without unix extensions): the save falls back to a rename
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
+
 
 def check_save_dir(directory: str) -> None:
-    """A save needs a writable directory that holds no checkpoint: adding rank files to another
-    save's would mix two saves, and replacing them (one file at a time) could too."""
+    """A save needs a directory that holds no checkpoint (adding rank files to another save's would
+    mix two saves, and replacing them, one file at a time, could too) and where a save works: this
+    writes, names and deletes a probe file the way save_checkpoint does. Leftovers of a killed save
+    (``.rank*.pt.*.part``) are deleted."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     held = sorted(f.name for f in path.glob("rank*.pt"))
     if held:
         raise FileExistsError(f"--save-dir {directory} already holds a checkpoint ({', '.join(held)}); "
                               "choose an empty directory (a checkpoint is never overwritten)")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"--save-dir {directory} is not writable")
+    _remove_leftovers(path)
+    probe = path / f".probe.{secrets.token_hex(8)}.part"
+    try:
+        with _part_file(probe) as f:
+            f.write(b"probe")
+            _publish(probe, probe.with_suffix(".named.part"))
+    except OSError as exc:  # the same type (PermissionError, ...), one line
+        raise type(exc)(f"--save-dir {directory} cannot hold a checkpoint: writing a file there failed "
+                        f"({exc.strerror or exc})") from None
+    finally:
+        probe.unlink(missing_ok=True)
+        probe.with_suffix(".named.part").unlink(missing_ok=True)
 
 
 def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model, opt) -> Path:
@@ -29,16 +52,57 @@ def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
              "world_size": world_size, "step": step}
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")  # not rank*.pt: never read as a checkpoint
+    part = path.with_name(f".{path.name}.{secrets.token_hex(8)}.part")  # not rank*.pt: never read as one
     try:
-        with open(part, "wb") as f:
+        with _part_file(part) as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.link(part, path)  # gives the complete file its name; fails if the name exists
+            _publish(part, path)  # while the file is still locked: check_save_dir leaves it alone
     finally:
         part.unlink(missing_ok=True)
     return path
+
+
+def _part_file(part: Path):
+    """A new file ``part``, opened for writing and locked (fcntl.flock) until closed: a file of this
+    kind that is not locked is a leftover of a killed save."""
+    f = open(part, "xb")
+    if fcntl is not None:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # no locks on this file system: leftovers are not told apart, nor deleted
+            pass
+    return f
+
+
+def _publish(part: Path, path: Path) -> None:
+    """Give the complete file ``part`` the name ``path``, which must not exist (FileExistsError).
+    A hard link does it atomically. Where the file system has none, a rename does it after checking
+    that the name is free: a file another process creates at that name in between (a second save
+    into the same directory at the same instant) would be replaced."""
+    try:
+        os.link(part, path)
+        return
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+    if os.path.lexists(path):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+    os.rename(part, path)
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Delete the part files of saves that were killed: those no process holds locked."""
+    if fcntl is None:
+        return
+    for part in [*directory.glob(".rank*.pt.*.part"), *directory.glob(".probe.*.part")]:
+        try:
+            with open(part, "rb") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a save writes it
+                part.unlink(missing_ok=True)
+        except OSError:
+            continue
 
 
 def load_checkpoint(directory: str, rank: int, world_size: int, model, opt) -> int:

@@ -93,11 +93,20 @@ def _first_error(error: str | None, world: int) -> str | None:
     return next((e for e in errors if e), None)
 
 
-def _abort(exc: CollectiveError, rendezvous) -> None:
+def _advice(args, run_in_out: bool) -> str:
+    """What to run after a peer was lost: --resume continues only a run that --out holds."""
+    if args.resume:
+        return "continue with the same command"
+    if run_in_out:
+        return "continue with the same command plus --resume"
+    return "run the same command again"
+
+
+def _abort(exc: CollectiveError, rendezvous, advice: str) -> None:
     """A peer died or hung: the group is broken. One line, then exit at once (destroy_process_group
     could wait on the dead peer; the lock on --out ends with the process)."""
     message = " ".join(str(exc).split()).rstrip(".")  # one line, even where Gloo's has several
-    print(f"{message}; continue with the same command plus --resume", file=sys.stderr, flush=True)
+    print(f"{message}; {advice}", file=sys.stderr, flush=True)
     remove_rendezvous_file(rendezvous)
     os._exit(1)
 
@@ -109,6 +118,8 @@ def _run_ranks(args, preset, arms, use_cuda, rendezvous) -> int:
     device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"
     preset = type(preset)(**{**preset.__dict__, "workers": world, "device": device})
     started = {}
+    config_path = args.out / "config.json"
+    had_config = config_path.exists()  # a run there before this start (checked by prepare on rank 0)
 
     def load():
         started["corpus"] = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
@@ -125,8 +136,9 @@ def _run_ranks(args, preset, arms, use_cuda, rendezvous) -> int:
         error = _first_error(_start_error(load), world)
         if error is None:
             error = _first_error(_start_error(prepare) if rank == 0 else None, world)
-    except CollectiveError as exc:
-        _abort(exc, rendezvous)
+    except CollectiveError as exc:  # --out holds this run if this start wrote its config (rank 0 did,
+        # or, where --out is shared, another rank sees it)
+        _abort(exc, rendezvous, _advice(args, "lock" in started or not had_config and config_path.exists()))
     lock, corpus = started.get("lock"), started.get("corpus")
     if error is not None:
         if lock is not None:
@@ -173,7 +185,7 @@ def _run_ranks(args, preset, arms, use_cuda, rendezvous) -> int:
     except CollectiveError as exc:
         if sink is not None:
             sink.close()
-        _abort(exc, rendezvous)
+        _abort(exc, rendezvous, _advice(args, True))  # rank 0 prepared --out before any rank went on
     finally:
         if lock is not None:
             lock.close()

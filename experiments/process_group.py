@@ -14,7 +14,11 @@ A FileStore deletes its file only when every rank ends cleanly. A file left by a
 meet in it connect to dead ports and hang in ``init_process_group``. So each rank records its
 process in the file, a rank refuses a file whose recorded processes have ended (or that nobody
 wrote to for longer than the timeout), and the mains delete the file on every way out
-(``remove_rendezvous_file``).
+(``remove_rendezvous_file``), unless another job has put its own file at the path meanwhile.
+
+A process can only be checked from the same PID namespace of the same boot of the kernel: a rank
+in another container (same hostname and volume, its own pids) or on another machine (a shared
+filesystem) counts as running, so only the timeout rule applies to it.
 """
 from __future__ import annotations
 
@@ -22,19 +26,30 @@ import datetime
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 RENDEZVOUS_FILE = "DISTRO_OPT_RENDEZVOUS_FILE"
-_PROCESS_KEY = "distro_opt/process/{rank}"  # "host pid start-time" of the rank that joined the file
+_PROCESS_KEY = "distro_opt/process/{rank}"  # the record of the rank that joined the file: _this_process
+_RECORD_FIELDS = 5  # host pid start-time pid-namespace boot-id
 
 
 class RendezvousError(RuntimeError):
     """The rendezvous file cannot be used (left over from an earlier job, or RANK/WORLD_SIZE missing)."""
 
 
-def start_process_group(backend: str, timeout: datetime.timedelta) -> Path | None:
+@dataclass(frozen=True)
+class RendezvousFile:
+    """The rendezvous file a process joined: its path, and the record this process wrote in it,
+    which only that file holds (a later job's file at the same path does not; its inode number may
+    well be the same, as a file system reuses a deleted file's)."""
+    path: Path
+    record: str
+
+
+def start_process_group(backend: str, timeout: datetime.timedelta) -> RendezvousFile | None:
     """``dist.init_process_group(backend)`` from the environment; end it with destroy_process_group.
     Returns the rendezvous file the ranks met in (None: torch's TCP store): pass it to
     ``remove_rendezvous_file`` on every way out of the process, ``os._exit`` included."""
@@ -49,25 +64,35 @@ def start_process_group(backend: str, timeout: datetime.timedelta) -> Path | Non
             "and WORLD_SIZE in every process of the job"
         )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    _refuse_unused_file(path, timeout)
+    _refuse_unused_file(path, timeout)  # before the FileStore writes to it (a refused file keeps its age)
     store = dist.FileStore(path, world_size)
     store.set_timeout(timeout)
     _refuse_ended_job(store, path, world_size)
-    store.set(_PROCESS_KEY.format(rank=rank), _this_process())
+    joined = RendezvousFile(Path(path), _this_process())
+    store.set(_PROCESS_KEY.format(rank=rank), joined.record)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except BaseException:
-        remove_rendezvous_file(path)  # this job's file, never to be met in again: do not leave it stale
+        remove_rendezvous_file(joined)  # this job's file, never to be met in again: do not leave it stale
         raise
-    return Path(path)
+    return joined
 
 
-def remove_rendezvous_file(path) -> None:
-    """Delete the rendezvous file ``path`` returned by start_process_group (None: nothing to do). A
-    peer still using the file is harmless: a FileStore that writes again recreates the file without
-    process records, which the next job accepts."""
-    if path is not None:
-        Path(path).unlink(missing_ok=True)
+def remove_rendezvous_file(joined: RendezvousFile | None) -> None:
+    """Delete the rendezvous file that start_process_group returned (None: nothing to do), if it is
+    still the file at its path. A peer of the same job still using it is harmless: a FileStore that
+    writes again recreates the file without process records, which the next job accepts (so it is
+    left too). A file that another job has put at the path since (a job restarted while a slow rank
+    of the old one was still ending) is that job's, and stays: it does not hold this process's
+    record. (Only a file put there between the read and the unlink, microseconds, is not told apart.)"""
+    if joined is None:
+        return
+    try:
+        held = joined.path.read_bytes()  # a FileStore stores keys and values as they are
+    except OSError:
+        return
+    if joined.record.encode() in held:
+        joined.path.unlink(missing_ok=True)
 
 
 def _stale(path: str, why: str) -> RendezvousError:
@@ -83,6 +108,8 @@ def _refuse_unused_file(path: str, timeout: datetime.timedelta) -> None:
         age_s = time.time() - os.stat(path).st_mtime
     except FileNotFoundError:
         return
+    except OSError as exc:
+        raise RendezvousError(f"rendezvous file {path} cannot be read ({exc.strerror or exc})") from None
     if age_s > timeout.total_seconds():
         raise _stale(path, f"last written {age_s:.0f} s ago, longer than the {timeout.total_seconds():g} s "
                            "timeout")
@@ -95,16 +122,34 @@ def _refuse_ended_job(store, path: str, world_size: int) -> None:
         if not store.check([key]):
             continue
         record = store.get(key).decode("utf-8", "replace")
-        if not _is_running(record):
-            host, pid = (record.split() + ["?", "?"])[:2]
-            raise _stale(path, f"its rank {rank} was process {pid} on {host}, which has ended")
+        if _has_ended(record):
+            parts = record.split()
+            if len(parts) != _RECORD_FIELDS or not parts[1].isdigit():
+                raise _stale(path, f"its rank {rank} record {record!r} is not one this version writes")
+            raise _stale(path, f"its rank {rank} was process {parts[1]} on {parts[0]}, which has ended")
 
 
 def _this_process() -> str:
-    return f"{socket.gethostname()} {os.getpid()} {_start_time(os.getpid())}"
+    return " ".join((socket.gethostname(), str(os.getpid()), _start_time("self"), *_pid_space()))
 
 
-def _start_time(pid: int) -> str:
+def _pid_space() -> tuple[str, str]:
+    """(PID namespace, boot id) of this process: where its pids mean the same processes ("-": unknown).
+    The namespace is unknown also where /proc belongs to another one (pids could not be looked up)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+        if os.readlink("/proc/self") != str(os.getpid()):
+            namespace = "-"
+    except OSError:
+        namespace = "-"
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip() or "-"
+    except OSError:
+        boot = "-"
+    return namespace.replace(" ", "_"), boot.replace(" ", "_")
+
+
+def _start_time(pid) -> str:
     """When process ``pid`` started (Linux: clock ticks since boot), to tell a reused pid apart."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -113,20 +158,27 @@ def _start_time(pid: int) -> str:
     return stat[stat.rindex(")") + 2:].split()[19]  # field 22 of proc_pid_stat(5)
 
 
-def _is_running(record: str) -> bool:
+def _has_ended(record: str) -> bool:
+    """Whether the process in ``record`` (from _this_process) has certainly ended. A record of
+    another PID namespace or boot (a rank in another container sharing the file, or on another
+    machine), or one whose start time cannot be read here (another user's process under
+    ``hidepid``), cannot be checked: it counts as running. A record of another shape is an earlier
+    version's: ended."""
     parts = record.split()
-    if len(parts) != 3 or not parts[1].isdigit():
-        return False
-    host, pid, started = parts[0], int(parts[1]), parts[2]
-    if host != socket.gethostname():
-        return True  # another machine's process (a shared filesystem): cannot be checked from here
+    if len(parts) != _RECORD_FIELDS or not parts[1].isdigit():
+        return True
+    pid, started, space = int(parts[1]), parts[2], tuple(parts[3:])
+    here = _pid_space()
+    if "-" in here or space != here:
+        return False  # its pid means another process here, or none
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return True
     except PermissionError:
         pass  # exists, owned by another user
-    return started == "-" or _start_time(pid) == started
+    now = _start_time(pid)
+    return "-" not in (started, now) and now != started  # a different start: the pid was reused
 
 
 def one_machine_env(rank: int, world_size: int, rendezvous_file) -> dict[str, str]:

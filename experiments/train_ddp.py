@@ -173,7 +173,10 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None) -> dict:
     """Train on ``comm`` (any distro_opt Backend); return losses, timings, bytes and final parameters.
     ``on_start(model)`` runs once the starting parameters are in place, before the first step."""
     rank, device = comm.rank, torch.device(cfg.device)
-    if cfg.save_dir:  # found now, not after the whole run
+    if cfg.save_dir and (cfg.steps > 0 or comm.world_size == 1):
+        # Found now, not after the whole run. The first step's collective orders every rank's check
+        # before any rank's save; with no step nothing does (another rank's new file would make this
+        # check refuse), and there is no run to lose: the save itself refuses to overwrite.
         check_save_dir(cfg.save_dir)
     model = TinyMLP(cfg)
     init_params(model, cfg.seed)

@@ -10,6 +10,7 @@ import datetime
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -63,6 +64,102 @@ def test_rendezvous_file_nobody_wrote_to_for_longer_than_the_timeout_is_refused(
     with pytest.raises(RuntimeError, match=r"left over from an earlier job \(last written 100 s ago, longer "
                                            r"than the 5 s timeout\); delete it or choose a fresh path"):
         start_process_group("gloo", datetime.timedelta(seconds=5))
+
+
+MEET = textwrap.dedent("""
+    import datetime, sys
+    import torch.distributed as dist
+    from distro_opt.experiments.process_group import (
+        RendezvousError, remove_rendezvous_file, start_process_group)
+
+    try:
+        joined = start_process_group("gloo", datetime.timedelta(seconds=15))
+    except RendezvousError as exc:
+        sys.exit(f"error: {exc}")
+    dist.barrier()
+    dist.destroy_process_group()
+    remove_rendezvous_file(joined)
+    print("met")
+""")
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs `unshare --pid` (root or user namespaces)")
+def test_ranks_in_different_pid_namespaces_of_one_host_meet(tmp_path):
+    # Two containers with the host's network and a shared volume: one hostname, separate pids. Rank
+    # 0's record names a pid of its own namespace, which means nothing (or another process) in rank 1's.
+    from _procs import wait_all
+
+    rendezvous = tmp_path / "rendezvous"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", MEET]
+    procs = [subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", *cmd],
+                              env={**env, **one_machine_env(0, 2, rendezvous)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    deadline = time.monotonic() + 20
+    while not (rendezvous.exists() and b"distro_opt/process/0" in rendezvous.read_bytes()):
+        assert time.monotonic() < deadline and procs[0].poll() is None, "rank 0 never wrote its record"
+        time.sleep(0.05)
+    procs.append(subprocess.Popen(cmd, env={**env, **one_machine_env(1, 2, rendezvous)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert wait_all(procs, 30) == [(0, "")] * 2
+    assert not rendezvous.exists()
+
+
+def test_a_record_is_checked_only_in_its_own_pid_namespace_and_boot(monkeypatch):
+    from distro_opt.experiments import process_group as pg
+
+    ended = subprocess.Popen(["true"])
+    ended.wait(timeout=10)
+    host, me = socket.gethostname(), os.getpid()
+    namespace, boot = pg._pid_space()
+    mine = pg._start_time(me)
+    assert pg._this_process() == f"{host} {me} {mine} {namespace} {boot}"
+    assert not pg._has_ended(pg._this_process())
+    assert pg._has_ended(f"{host} {ended.pid} 12345 {namespace} {boot}")
+    assert pg._has_ended(f"{host} {me} {int(mine) + 1} {namespace} {boot}")  # a reused pid
+    assert pg._has_ended(f"{host} {ended.pid} 12345")  # a record of an earlier version
+    # Cannot be checked from here, so running: another namespace (a container sharing the host name),
+    # another boot (another machine, any name), or a start time this user cannot read (hidepid).
+    assert not pg._has_ended(f"{host} {ended.pid} 12345 pid:[1] {boot}")
+    assert not pg._has_ended(f"{host} {ended.pid} 12345 {namespace} another-boot")
+    assert not pg._has_ended(f"other {me} {int(mine) + 1} pid:[1] another-boot")
+    assert not pg._has_ended(f"other-name {me} {mine} {namespace} {boot}")  # same kernel and pids
+    monkeypatch.setattr(pg, "_start_time", lambda pid: "-")
+    assert not pg._has_ended(f"{host} {me} {int(mine) + 1} {namespace} {boot}")
+    monkeypatch.setattr(pg, "_pid_space", lambda: ("-", boot))  # /proc of another namespace: no check
+    assert not pg._has_ended(f"{host} {ended.pid} 12345 - {boot}")
+
+
+def test_a_rank_leaving_deletes_only_the_file_it_joined_not_a_newer_jobs(monkeypatch, tmp_path):
+    # A job restarted while a slow rank of the old one is still ending: that rank must not delete
+    # the new job's file (its ranks would then meet in two different files and time out).
+    import torch.distributed as dist
+
+    from distro_opt.experiments.process_group import remove_rendezvous_file, start_process_group
+
+    rendezvous = tmp_path / "rendezvous"
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)  # the file part only
+    for name, value in one_machine_env(0, 2, rendezvous).items():
+        monkeypatch.setenv(name, value)
+    old = start_process_group("gloo", datetime.timedelta(seconds=5))
+    assert rendezvous.exists()
+    rendezvous.unlink()  # the old job's other rank, gone
+    rendezvous.write_bytes(b"the new job's file")
+    remove_rendezvous_file(old)
+    assert rendezvous.read_bytes() == b"the new job's file"
+    rendezvous.unlink()
+    joined = start_process_group("gloo", datetime.timedelta(seconds=5))
+    remove_rendezvous_file(joined)
+    assert not rendezvous.exists()  # its own file: deleted
+    remove_rendezvous_file(joined)  # already gone: nothing to do
 
 
 def _train_ddp(rank, rendezvous, log, *args):

@@ -73,3 +73,29 @@ def test_a_peer_dying_mid_run_is_one_line_and_exit_1_and_the_rendezvous_file_is_
     assert err.startswith("rank 0 of 2: ") and " did not complete (" in err, err
     assert err.endswith("; continue with the same command plus --resume\n"), err
     assert not rendezvous.exists()
+
+
+DIES_LOADING = """
+import os, runpy, signal, sys
+from distro_opt.experiments import distributed
+if os.environ["RANK"] == "1":  # as the OOM killer while the corpus loads, before --out is touched
+    distributed.load_corpus = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+sys.argv = ["experiments.run", *sys.argv[1:]]
+runpy.run_module("distro_opt.experiments.run", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_peer_lost_before_out_holds_the_run_advises_the_same_command_not_resume(corpus, tmp_path):
+    out, rendezvous = tmp_path / "run", tmp_path / "rendezvous"
+    procs = [subprocess.Popen([sys.executable, "-c", DIES_LOADING, *map(str, run_args(corpus, out))],
+                              cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                 **one_machine_env(rank, 2, rendezvous)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    (code, err), (killed, _) = wait_all(procs, 30)
+    assert killed == -signal.SIGKILL
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("rank 0 of 2: the start-up all_gather did not complete ("), err
+    assert err.endswith("; run the same command again\n"), err  # --resume would say: nothing to resume
+    assert not out.exists()
+    assert not rendezvous.exists()

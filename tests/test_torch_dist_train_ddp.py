@@ -5,6 +5,7 @@ each bounded by a wall-clock timeout; whatever is left is killed on the way out.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -66,6 +67,54 @@ def test_a_save_cut_short_leaves_no_checkpoint_file(tmp_path, monkeypatch):
     assert [f.name for f in tmp_path.iterdir()] == ["rank0.pt"]
 
 
+def _no_hard_links(monkeypatch):
+    def link(src, dst, **kwargs):  # as on FAT/exFAT, s3fs/gcsfuse, SMB without unix extensions
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(src), None, str(dst))
+
+    monkeypatch.setattr(os, "link", link)
+
+
+def test_a_save_without_hard_links_renames_and_still_never_overwrites(tmp_path, monkeypatch):
+    _no_hard_links(monkeypatch)
+    train(TrainConfig(steps=1, log=False, save_dir=str(tmp_path)), SingleWorkerBackend())
+    assert [f.name for f in tmp_path.iterdir()] == ["rank0.pt"]
+    from distro_opt.experiments.ddp_checkpoint import _publish
+
+    saved = (tmp_path / "rank0.pt").read_bytes()
+    (tmp_path / "new.part").write_bytes(b"another save")
+    with pytest.raises(FileExistsError):
+        _publish(tmp_path / "new.part", tmp_path / "rank0.pt")
+    assert (tmp_path / "rank0.pt").read_bytes() == saved
+
+
+def test_a_save_dir_where_no_file_can_be_named_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    _no_hard_links(monkeypatch)
+
+    def rename(src, dst, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "rename", rename)
+    steps = []
+    with pytest.raises(PermissionError, match=f"--save-dir {tmp_path} cannot hold a checkpoint: writing a "
+                                              r"file there failed \(Operation not permitted\)"):
+        train(TrainConfig(steps=3, save_dir=str(tmp_path)), SingleWorkerBackend(), log=steps.append)
+    assert steps == []  # found before training, not after the whole run
+    assert list(tmp_path.iterdir()) == []  # the probe is gone too
+
+
+def test_the_part_file_of_a_killed_save_is_deleted_by_the_next_check_but_not_one_being_written(tmp_path):
+    import fcntl
+
+    from distro_opt.experiments.ddp_checkpoint import check_save_dir
+
+    (tmp_path / ".rank1.pt.0123456789abcdef.part").write_bytes(b"PK\x03\x04 half a zip")
+    writing = tmp_path / ".rank0.pt.fedcba9876543210.part"
+    with open(writing, "wb") as f:  # a save in progress holds its part file locked
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        check_save_dir(str(tmp_path))
+        assert [f.name for f in tmp_path.iterdir()] == [writing.name]
+
+
 def test_a_checkpoint_on_one_rank_stops_every_rank_at_start_with_one_line(tmp_path):
     held = tmp_path / "b"
     train(TrainConfig(steps=1, log=False, save_dir=str(held)), SingleWorkerBackend())
@@ -74,6 +123,25 @@ def test_a_checkpoint_on_one_rank_stops_every_rank_at_start_with_one_line(tmp_pa
                                    ["--steps", "100000", "--save-dir", held]])
     one_line_error_on_every_rank(results, f"rank 1: --save-dir {held} already holds a checkpoint (rank0.pt)")
     assert time.monotonic() - t0 < 30  # 100000 steps were not run first
+
+
+def test_ranks_saving_after_no_step_do_not_refuse_each_others_new_files(tmp_path, monkeypatch):
+    # train(steps=0) as a library call (e.g. resharding a checkpoint): no collective orders one rank's
+    # check of --save-dir before another rank's save. The slower rank checks after the other saved.
+    real, calls = train_ddp.check_save_dir, []
+
+    def slow_second_check(directory):
+        calls.append(directory)
+        if len(calls) == 2:
+            deadline = time.monotonic() + 5
+            while not list(tmp_path.glob("rank*.pt")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        real(directory)
+
+    monkeypatch.setattr(train_ddp, "check_save_dir", slow_second_check)
+    cfg = TrainConfig(steps=0, log=False, save_dir=str(tmp_path))
+    InProcessBackend.run(2, lambda backend: train(cfg, backend), timeout_s=30)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
 
 
 # -- --resume-dir --------------------------------------------------------------------------------
