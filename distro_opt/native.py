@@ -99,10 +99,15 @@ def accumulate(xs, old, out, decay: float, scale: float, peaks=None) -> None:
     lib = _load()[0]
     rows, cols = xs[0].shape
     n, threads = rows * cols, torch.get_num_threads()
+    buffers = [out] + ([] if old is None else [old]) + ([] if peaks is None else [peaks])
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in buffers):
+        raise ValueError("the native DCT takes contiguous float32 CPU old, out and peaks")
     for i, x in enumerate(xs):
+        if x.dtype != torch.float32 or x.device.type != "cpu" or tuple(x.shape) != (rows, cols):
+            raise ValueError(
+                f"the native DCT takes float32 CPU matrices of one shape, not {x.dtype} {tuple(x.shape)}"
+            )
         x = x.contiguous()
-        if not (out.is_contiguous() and (old is None or old.is_contiguous())):
-            raise ValueError("the native DCT takes contiguous old and out")
         lib.fdct_accumulate(
             x.data_ptr(),
             None if old is None else old[i * n : (i + 1) * n].data_ptr(),

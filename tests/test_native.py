@@ -176,3 +176,11 @@ def test_the_kernel_keeps_float32_under_the_users_bf16_matmul_setting():
         matmul.fp32_precision = before
     want = _reference(x.numpy(), np.zeros((128, 192), np.float32), 0.0, 1.0)
     np.testing.assert_allclose(ours.numpy(), want, atol=2e-5, rtol=0)
+
+
+@needs_kernel
+def test_tensors_the_kernel_cannot_read_are_refused_rather_than_read_as_float32():
+    with pytest.raises(ValueError, match="float32 CPU matrices of one shape, not torch.bfloat16"):
+        native.accumulate([torch.zeros(64, 64, dtype=torch.bfloat16)], None, torch.empty(4096), 0.0, 1.0)
+    with pytest.raises(ValueError, match="contiguous float32 CPU old, out and peaks"):
+        native.accumulate([torch.zeros(64, 64)], None, torch.empty(8192)[::2], 0.0, 1.0)
