@@ -282,8 +282,8 @@ class DCTTransform:
     @staticmethod
     def _native(chunk: tuple[int, ...], like: torch.Tensor) -> bool:
         """Whether the C kernel (``native``) takes the transform: float32 CPU matrices of 64 x 64
-        chunks. It is faster than oneDNN's GEMMs in bf16 too, so the bf16 opt-in
-        (``onednn_gemm_dtype``) acts on the GEMM path only."""
+        chunks. It is about as fast as oneDNN's GEMMs in bf16 (README) and float32-accurate, so the
+        bf16 opt-in (``onednn_gemm_dtype``) acts on the GEMM path only."""
         return native.handles(chunk, like)
 
     def _accumulate_onednn(self, xs, chunk, old, out, decay, scale, peaks=None):

@@ -163,7 +163,7 @@ def test_the_environment_switch_turns_the_kernel_off():
 @needs_kernel
 def test_the_kernel_keeps_float32_under_the_users_bf16_matmul_setting():
     """``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` lets oneDNN's GEMMs round to bf16 on
-    the GEMM path; the kernel, faster than those too, stays float32."""
+    the GEMM path; the kernel, about as fast as those, stays float32."""
     matmul = getattr(torch.backends.mkldnn, "matmul", None)
     if matmul is None:
         pytest.skip("this torch has no fp32_precision setting")
