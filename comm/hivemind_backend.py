@@ -13,12 +13,14 @@ One ``all_gather`` is one *round* (numbered by step) in up to three phases, all 
    of all payloads we hold); wait for their votes; the contributors are ``hivemind_wire.agree``: the
    payloads held by everyone who voted. The result is returned sorted by peer id, so every peer
    reduces in the same order.
-3. adopt (until ``step_timeout_s``, rare): when a peer answered LATE (it finished this step without
-   us: we are a slow or freshly joined peer), we apply exactly what a finished peer applied, from
-   its log of recent rounds. If a voter holds payloads we never received, it counted votes we could
-   not see, so we take its contributor set instead of ours. ``hivemind_adopt`` says what a log must
-   pass before it is applied; when no log passes, the peer applies nothing else silently: it sets
-   ``out_of_sync`` (the peer program then reloads state).
+3. adopt (until ``step_timeout_s``, rare): a peer answered LATE (it is past this step's gather: we are
+   a slow or freshly joined peer). If we hold no payload but ours, we apply what a finished peer
+   applied, from its log of recent rounds; if we hold payloads, we do so only when the LATE peer is
+   a known contributor (a LATE answer alone proves nothing) and its log passes, and otherwise vote.
+   If a voter holds payloads we never received, it counted votes we could not see, so we take its
+   contributor set instead of ours. ``hivemind_adopt`` says what a log must pass before it is
+   applied; when no log passes where one was needed, the peer applies nothing else silently: it
+   sets ``out_of_sync`` (the peer program then reloads state).
 
 When every vote reaches every voter, all peers compute the same set. What can still slip through
 (a peer that vanishes between sending its vote to some peers and to others; a malicious voter) is
@@ -174,9 +176,10 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         self._rounds: dict[int, Round] = {}
         self._finished: set[int] = set()
         self._log: dict[int, list[tuple[str, bytes]]] = {}
+        self._log_heads: dict[int, tuple] = {}  # step -> (entries, digests), hashed once per round
         self._low = self._next = 0
         self._closed = False
-        self._snapshot_busy = False
+        self._snap = None  # the one state snapshot being made or sent (hivemind_catchup)
         # payload validation gets threads of its own: the default executor's may all be waiting
         # for the state lock in snapshots (threads start on first use, close() ends them)
         self._validation_pool = concurrent.futures.ThreadPoolExecutor(
@@ -405,10 +408,18 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         await r.wait_until(gathered, r.gather_deadline)
         held = {p: wire.digest(p, b) for p, b in [(self.peer_id, payload), *r.payloads.items()]}
         late = sorted(p for p in r.late if self._admissible(p))
-        if late:
-            # a peer finished this step without us: however many of us are behind, its result is
-            # the one the others applied (two late peers must not form a round of their own)
-            return self._finish(r, await self._adopt_finished(r, late, held))
+        if late and not r.payloads:
+            # everyone we reached is past this step's gather: we hold nothing to vote on, so we
+            # apply a finished peer's set, or nothing and out_of_sync
+            return self._finish(r, await self._adopt_finished(r, late, held, final=True))
+        known = sorted(self._known_contributors(expected) & set(late))
+        if known:
+            # a known contributor finished this step without us: its set is what the others applied
+            # (two late peers must not form a round of their own); a LATE answer alone proves
+            # nothing, so if its log does not pass we vote as usual
+            adopted = await self._adopt_finished(r, known, held, final=False)
+            if adopted is not None:
+                return self._finish(r, adopted)
         r.my_vote = wire.encode_vote(step, held.values())
         r.phase1.set()
         await r.wait_until(lambda: all(p in r.vote_done for p in r.payloads), r.vote_deadline)
@@ -430,7 +441,7 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         return self._finish(r, result)
 
     def _finish(self, r: Round, result):
-        self._log[r.step] = result
+        self._log[r.step] = [] if r.flagged else result  # a flagged round must not spread its set
         for old in [s for s in self._log if s <= r.step - self.log_rounds]:
             del self._log[old]
         self._finished.add(r.step)

@@ -47,6 +47,8 @@ class Round:
         self.late: set[str] = set()
         self.adopting = False  # in the adopt phase: waiting for another peer's log
         self.agreed: list[tuple[str, bytes]] = []  # our own agreement, served PROVISIONAL while adopting
+        self.agreed_digests: dict[str, bytes] = {}
+        self.flagged = False  # ended out of sync: this round serves no log
         self.my_vote = b""
         self.tasks: set[asyncio.Task] = set()
 

@@ -124,3 +124,24 @@ def filled(value, n=1000):
 
 def firsts(bufs):
     return [int(b[0]) for b in bufs]
+
+
+def gather_at(triples, timeout_s=3 * STEP_TIMEOUT_S + 5):
+    """Like ``gather`` for ``(backend, buf, offset_s)``: each gather starts ``offset_s`` after a common
+    start (a peer slower than the others); returns results and each gather's own duration."""
+    start = time.monotonic() + 0.2
+
+    def delayed(backend, offset):
+        class Later:
+            def all_gather(self, buf):
+                time.sleep(max(0.0, start + offset - time.monotonic()))
+                t0 = time.monotonic()
+                out = backend.all_gather(buf)
+                durations[id(backend)] = time.monotonic() - t0
+                return out
+
+        return Later()
+
+    durations = {}
+    results, _ = gather([(delayed(b, off), buf) for b, buf, off in triples], timeout_s)
+    return results, [durations[id(b)] for b, _, _ in triples]

@@ -9,6 +9,9 @@ import torch
 
 pytest.importorskip("hivemind")
 
+from hivemind.p2p import PeerID  # noqa: E402
+
+from distro_opt.comm import hivemind_wire as wire  # noqa: E402
 from distro_opt.comm.hivemind_backend import HivemindBackend, HivemindBackendError  # noqa: E402
 from distro_opt.comm.hivemind_state import dump_state  # noqa: E402
 
@@ -93,12 +96,13 @@ def test_wait_for_peers_counts_only_peers_on_the_allow_list(dhts):
         assert a.wait_for_peers(2, 0.5) == 1
 
 
-def test_state_requests_are_served_one_at_a_time_and_never_delay_payload_validation(dhts):
+def test_concurrent_state_requests_share_one_snapshot_and_never_delay_payload_validation(dhts):
     with group(dhts, wait=False) as (a, b, stranger):  # the stranger never announces itself
         wait_all([a, b], 1)
         for x in (a, b):
             x.payload_validator = lambda buf: True
-        a.state_provider = lambda: {"w": torch.zeros(4)}
+        made = []
+        a.state_provider = lambda: made.append(1) or {"w": torch.zeros(4)}
         ready, go, out = threading.Event(), threading.Event(), {}
 
         def train_a():  # what experiments/peer.py does: the step, gather included, under state_lock
@@ -110,22 +114,49 @@ def test_state_requests_are_served_one_at_a_time_and_never_delay_payload_validat
         trainer = threading.Thread(target=train_a, daemon=True)
         trainer.start()
         ready.wait(10)
-        requests = [
+        requests = [  # eight joiners at once, while a snapshot waits for the training step
             asyncio.run_coroutine_threadsafe(stranger._fetch_state(a.peer_id), stranger._loop)
             for _ in range(8)
         ]
-        deadline = time.monotonic() + 5.0  # until seven are refused (one waits for the lock), at most 5 s
-        while sum(f.done() for f in requests) < 7 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        time.sleep(0.5)
         go.set()
         (at_b,), _ = gather([(b, filled(2))])
         trainer.join(10)
         assert sorted(firsts(out["a"])) == sorted(firsts(at_b)) == [1, 2]
-        outcomes = []
-        for f in requests:
-            try:
-                f.result(timeout=10)
-                outcomes.append("served")
-            except HivemindBackendError:
-                outcomes.append("refused")
-        assert sorted(outcomes) == ["refused"] * 7 + ["served"]
+        blobs = [f.result(timeout=10) for f in requests]  # none refused
+        assert len(set(blobs)) == 1 and len(made) == 1  # one snapshot, one copy, served to all
+
+
+def test_a_joiner_waits_for_a_training_step_longer_than_two_rounds(dhts):
+    with group(dhts, n=2, options={0: {"step_timeout_s": 0.5}}) as (a, joiner):
+        a.state_provider = lambda: {"w": torch.arange(3.0)}
+        out = []
+        join = threading.Thread(target=lambda: out.append(joiner.load_state_from_peers()), daemon=True)
+        with a.state_lock:  # a step computing for 1.5 s = 3 * step_timeout_s
+            join.start()
+            time.sleep(1.5)
+        join.join(10)
+        assert out and out[0]["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+async def ask_and_never_read(requester, server, hold_s):
+    _, _, writer = await requester._p2p.call_binary_stream_handler(
+        PeerID.from_base58(server.peer_id), f"distro/{server.run_id}/state"
+    )
+    writer.write(wire.STATE_MAGIC)
+    await asyncio.sleep(hold_s)
+    writer.close()
+
+
+def test_requesters_that_never_read_share_one_copy_of_the_state(dhts):
+    with group(dhts, n=2) as (a, stranger):
+        made = []
+        a.state_provider = lambda: made.append(1) or {"w": torch.zeros(8 << 20)}  # 32 MiB
+        futures = []
+        for _ in range(4):  # one after another, each while the earlier ones are still being sent
+            ask = ask_and_never_read(stranger, a, 1.2)
+            futures.append(asyncio.run_coroutine_threadsafe(ask, stranger._loop))
+            time.sleep(0.25)
+        assert len(made) == 1  # one blob for all four, not one copy of the state per request
+        for f in futures:
+            f.result(timeout=10)
