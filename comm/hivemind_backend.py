@@ -6,35 +6,27 @@ One ``all_gather`` is one *round* (numbered by step) in up to three phases, all 
 1. gather (until ``gather_fraction * step_timeout_s``): push this peer's payload to every active
    peer of the DHT view (and to any peer that pushed to us this round); collect theirs. A peer whose
    payload has not arrived by then is left out of the step; its payload, if it comes later, is
-   answered LATE and dropped. A peer that was not active in our view when it opened its stream (a
-   stranger, or one that just joined) gets one of ``max_peers // 8`` slots of its own and is never
-   waited for: its payload counts if it is here in time, and it cannot hold the known peers' slots.
+   answered LATE and dropped.
 2. agree (until ``0.8 * step_timeout_s``): send every peer whose payload we hold a vote (the digests
    of all payloads we hold); wait for their votes; the contributors are ``hivemind_wire.agree``: the
    payloads held by everyone who voted. The result is returned sorted by peer id, so every peer
    reduces in the same order.
-3. adopt (until ``step_timeout_s``, rare): a peer answered LATE (it is past this step's gather: we are
-   a slow or freshly joined peer). If we hold no payload but ours, we apply what a finished peer
-   applied, from its log of recent rounds; if we hold payloads, we do so only when the LATE peer is
-   a known contributor (a LATE answer alone proves nothing) and its log passes, and otherwise vote.
-   If a voter holds payloads we never received, it counted votes we could not see, so we take its
-   contributor set instead of ours. ``hivemind_adopt`` says what a log must pass before it is
-   applied; when no log passes where one was needed, the peer applies nothing else silently: it
-   sets ``out_of_sync`` (the peer program then reloads state).
+3. adopt (until ``step_timeout_s``, rare): if a voter holds payloads we never received, it counted
+   votes we could not see, so we take its contributor set (and payloads) from its log of recent
+   rounds instead of ours. Likewise, when every peer we reached answered LATE, we are behind (a
+   slow or freshly joined peer) and take a finished peer's result: we apply exactly what it applied.
 
 When every vote reaches every voter, all peers compute the same set. What can still slip through
 (a peer that vanishes between sending its vote to some peers and to others; a malicious voter) is
 caught by the replica checksum the peer program compares every K steps through the DHT
-(``publish_checksum``/``compare_checksum``, which counts only the last round's contributors); a
-peer in the minority reloads state.
+(``publish_checksum``/``compare_checksum``); a peer in the minority reloads state.
 
 The backend never looks inside a payload; it enforces the size (every payload of a round must have
 the size of this peer's own; a larger length field closes the stream before the body is read) and
 excludes a sender for ``exclude_s`` when its size is wrong, when the program's ``payload_validator``
 (built from the optimizer's codec) rejects it before the vote, or when the optimizer reports it
 invalid after the step (``report_invalid``). ``stats`` counts every byte of the gather streams
-(hello, status, payload and vote frames) and of the round logs (a chronically late peer gets every
-payload from logs), on both sides; not the occasional state download of a joining peer.
+(hello, status, payload and vote frames), not the occasional log or state downloads.
 
 NAT: a ``client_mode=True`` peer accepts no streams; it opens one to every server and the server
 answers on it (flag REPLY), so it trains like the others but cannot serve logs or state. Two
@@ -62,7 +54,6 @@ from hivemind.p2p import P2P
 from .base import Backend, CommStats, PendingGather, check_buffer, check_reduce
 from .hivemind_membership import ACTIVE, Membership, check_heartbeat, majority
 from . import hivemind_wire as wire
-from .hivemind_adopt import Adoption
 from .hivemind_catchup import CatchUp, HivemindBackendError
 from .hivemind_round import GatherStreams, Round
 
@@ -123,7 +114,7 @@ def check_settings(
             raise ValueError(f"Invalid {name}: {count!r} (expected an int >= {least})")
 
 
-class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
+class HivemindBackend(GatherStreams, CatchUp, Backend):
     """A ``Backend`` whose workers are hivemind peers; see the module docstring for the protocol."""
 
     drops_invalid_payloads = True  # the optimizer drops a bad payload and calls report_invalid
@@ -176,15 +167,7 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         self._rounds: dict[int, Round] = {}
         self._finished: set[int] = set()
         self._log: dict[int, list[tuple[str, bytes]]] = {}
-        self._log_heads: dict[int, tuple] = {}  # step -> (entries, digests), hashed once per round
         self._low = self._next = 0
-        self._closed = False
-        self._snap = None  # the one state snapshot being made or sent (hivemind_catchup)
-        # payload validation gets threads of its own: the default executor's may all be waiting
-        # for the state lock in snapshots (threads start on first use, close() ends them)
-        self._validation_pool = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix=f"hm-validate-{run_id}"
-        )
         self._own_dht, self.dht = dht is None, dht
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -267,19 +250,11 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         return self.start_all_gather(buf).wait()
 
     def start_all_gather(self, buf: torch.Tensor) -> PendingGather:
-        if self._closed:
-            raise HivemindBackendError("backend closed")
         check_buffer(buf)
         payload = buf.detach().to("cpu").contiguous().numpy().tobytes()
         step, self._next = self._next, self._next + 1
-        coro = self._gather(step, payload)
-        try:
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        except RuntimeError:  # close() on another thread stopped the loop after our check
-            coro.close()
-            self._next = step
-            raise HivemindBackendError("backend closed") from None
         self.membership.state, self.membership.step = ACTIVE, step
+        future = asyncio.run_coroutine_threadsafe(self._gather(step, payload), self._loop)
 
         def wait():
             # the round bounds itself; the margin covers a log download after a LATE answer
@@ -288,8 +263,6 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
             except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 future.cancel()
                 raise HivemindBackendError(f"round {step} did not finish within its deadline") from None
-            except concurrent.futures.CancelledError:  # close() cancels the rounds in flight
-                raise HivemindBackendError("backend closed") from None
             self.last_contributors = [p for p, _ in result]
             self.world_size = len(result)
             self.rank = (
@@ -322,16 +295,15 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
             self._exclude(peer, "its payload was reported invalid")
 
     def wait_for_peers(self, n: int, timeout_s: float) -> int:
-        """Announce this peer active, then block until ``n`` other active admissible peers (allow list,
-        exclusions) are in the view (or ``timeout_s``); return how many are. Peers that start a run
-        together call this first, so that each one's first round already expects all the others."""
+        """Announce this peer active, then block until ``n`` other active peers are in the view (or
+        ``timeout_s``); return how many are. Peers that start a run together call this first, so
+        that each one's first round already expects all the others."""
         self.membership.state = ACTIVE
         self.membership.beat()
         deadline = time.monotonic() + timeout_s
         while True:
             self.membership.refresh()
-            view = self.membership.view()
-            count = sum(rec.state == ACTIVE and self._admissible(p) for p, rec in view.items())
+            count = sum(rec.state == ACTIVE for rec in self.membership.view().values())
             if count >= n or time.monotonic() >= deadline:
                 return count
             time.sleep(0.2)
@@ -340,23 +312,14 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         self.membership.publish_checksum(step, checksum)
 
     def compare_checksum(self, step: int, checksum: str) -> list[str] | None:
-        """``None`` when this peer agrees with the majority (or there is none); else the majority's peers.
-
-        Only the checksums of the last round's contributors count (admissible ones): any DHT node can
-        write a subkey, so checksums under made-up peer ids must not make up a majority."""
-        contributors = set(self.last_contributors)
-        published = self.membership.checksums(step).items()
-        reports = {p: v for p, v in published if p in contributors and self._admissible(p)}
+        """``None`` when this peer agrees with the majority (or there is none); else the majority's peers."""
+        reports = self.membership.checksums(step)
         reports[self.peer_id] = checksum
         value, holders = majority(reports)
         return None if value is None or value == checksum else holders
 
     def close(self) -> None:
-        """Leave the run and release what this backend started (also what a failed start did); a
-        second call does nothing. A gather waiting meanwhile raises ``HivemindBackendError``."""
-        if self._closed:
-            return
-        self._closed = True
+        """Leave the run and release what this backend started (also what a failed start did)."""
         if self.membership is not None:
             self.membership.leave()
         if self._thread.is_alive():
@@ -368,7 +331,6 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
             self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self._loop.close()
-        self._validation_pool.shutdown(wait=False, cancel_futures=True)
         if self._own_dht and self.dht is not None:
             self.dht.shutdown()
 
@@ -398,28 +360,23 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
                 self._spawn_push(r, p)
 
         def gathered():
-            # every known peer's payload is here or will not come, and ours reached every known peer
-            # (a stranger's payload counts if it is here in time, and we answer it, but never wait for it)
-            known = expected | (r.streams - r.stranger_streams)
-            return all(p in r.payloads or p in r.no_payload for p in known) and all(
-                p in r.push_over for p in r.pushed & known
+            # every peer's payload is here or will not come, and ours reached every peer we push to
+            return all(p in r.payloads or p in r.no_payload for p in expected | r.streams) and all(
+                p in r.push_over for p in r.pushed
             )
 
         await r.wait_until(gathered, r.gather_deadline)
-        held = {p: wire.digest(p, b) for p, b in [(self.peer_id, payload), *r.payloads.items()]}
         late = sorted(p for p in r.late if self._admissible(p))
-        if late and not r.payloads:
-            # everyone we reached is past this step's gather: we hold nothing to vote on, so we
-            # apply a finished peer's set, or nothing and out_of_sync
-            return self._finish(r, await self._adopt_finished(r, late, held, final=True))
-        known = sorted(self._known_contributors(expected) & set(late))
-        if known:
-            # a known contributor finished this step without us: its set is what the others applied
-            # (two late peers must not form a round of their own); a LATE answer alone proves
-            # nothing, so if its log does not pass we vote as usual
-            adopted = await self._adopt_finished(r, known, held, final=False)
-            if adopted is not None:
-                return self._finish(r, adopted)
+        if not r.payloads and late:
+            # everyone we reached has finished this step already: we are behind, take their result
+            result = await self._adopt(r, late)
+            if result is None:
+                logger.warning(
+                    "step %d finished without this peer and no peer served its log: out of sync", step
+                )
+                self.out_of_sync = True
+            return self._finish(r, result or [])
+        held = {p: wire.digest(p, b) for p, b in [(self.peer_id, payload), *r.payloads.items()]}
         r.my_vote = wire.encode_vote(step, held.values())
         r.phase1.set()
         await r.wait_until(lambda: all(p in r.vote_done for p in r.payloads), r.vote_deadline)
@@ -430,7 +387,10 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         # contributor set is the better-informed one, so apply that (see hivemind_wire.agree)
         informed = wire.better_informed(held, votes)
         if informed:
-            result = await self._adopt_informed(r, informed, held, votes, result)
+            adopted = await self._adopt(r, informed)
+            if adopted is None:
+                logger.warning("step %d: could not adopt a better-informed peer's contributors", step)
+            result = adopted if adopted is not None else result
         logger.debug(
             "step %d held %s, votes of %s -> %s",
             step,
@@ -441,7 +401,7 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         return self._finish(r, result)
 
     def _finish(self, r: Round, result):
-        self._log[r.step] = [] if r.flagged else result  # a flagged round must not spread its set
+        self._log[r.step] = result
         for old in [s for s in self._log if s <= r.step - self.log_rounds]:
             del self._log[old]
         self._finished.add(r.step)
@@ -452,7 +412,6 @@ class HivemindBackend(GatherStreams, Adoption, CatchUp, Backend):
         self._rounds.pop(r.step, None)
         r.phase1.set()
         r.finished.set()
-        r.notify()  # log requests wait for this
         # give votes in flight a moment to leave, then drop whatever still waits on this round
         self._loop.call_later(1.0, lambda: [t.cancel() for t in r.tasks])
         self.stats.record(0, 0)  # one more collective; its bytes were counted as they crossed

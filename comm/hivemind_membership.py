@@ -2,9 +2,7 @@
 
 Every peer stores a record under the key ``"{run_id}.peers"`` with its peer id as subkey and a short
 expiry (``ttl_s``), refreshed every ``heartbeat_s``: a crashed peer drops out of every view within
-``ttl_s``; a peer that leaves cleanly overwrites its record with ``state="left"`` first. A lookup
-that fails (DHT error or timeout) keeps the previous view: each record still leaves it at its own
-expiry, so one slow ``get`` never makes a peer expect nobody (and run its next round alone).
+``ttl_s``; a peer that leaves cleanly overwrites its record with ``state="left"`` first.
 Replica checksums live under ``"{run_id}.checksum.{step}"``, one subkey per peer.
 """
 
@@ -20,7 +18,6 @@ from hivemind.utils import get_dht_time
 logger = logging.getLogger(__name__)
 
 ACTIVE, JOINING, LEFT = "active", "joining", "left"
-_FAILED = object()  # what _call returns when the DHT did not answer: unlike None ("no records")
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ class Membership:
         self.heartbeat_s, self.ttl_s, self.dht_timeout_s = heartbeat_s, ttl_s, dht_timeout_s
         self.state = JOINING
         self.step = 0
-        self._view: dict[str, tuple[PeerRecord, float]] = {}  # peer -> (record, its DHT expiry)
+        self._view: dict[str, PeerRecord] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"hm-membership-{run_id}", daemon=True)
@@ -65,9 +62,8 @@ class Membership:
 
     def view(self) -> dict[str, PeerRecord]:
         """The other peers whose latest record says active or joining (never this peer)."""
-        now = get_dht_time()
         with self._lock:
-            return {p: rec for p, (rec, expiry) in self._view.items() if expiry > now}
+            return dict(self._view)
 
     def beat(self) -> None:
         record = {"state": self.state, "client": self.client, "step": int(self.step)}
@@ -75,15 +71,12 @@ class Membership:
 
     def refresh(self) -> None:
         found = self._call(self.dht.get, self.key, latest=True)
-        if found is _FAILED:
-            return  # keep what we knew; view() drops each record when it expires
         view = {}
         if found is not None and isinstance(found.value, dict):
             for peer, item in found.value.items():
                 record = _parse_record(getattr(item, "value", None))
-                expiry = getattr(item, "expiration_time", None)
                 if peer != self.peer_id and record is not None and record.state != LEFT:
-                    view[str(peer)] = (record, expiry if isinstance(expiry, (int, float)) else 0.0)
+                    view[str(peer)] = record
         with self._lock:
             self._view = view
 
@@ -101,7 +94,7 @@ class Membership:
 
     def checksums(self, step: int) -> dict[str, str]:
         found = self._call(self.dht.get, f"{self.run_id}.checksum.{int(step)}", latest=True)
-        if found is None or found is _FAILED or not isinstance(found.value, dict):
+        if found is None or not isinstance(found.value, dict):
             return {}
         return {str(p): v.value for p, v in found.value.items() if isinstance(getattr(v, "value", None), str)}
 
@@ -116,7 +109,7 @@ class Membership:
             return fn(*args, return_future=True, **kwargs).result(timeout=self.dht_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat is retried on the next beat
             logger.warning("DHT %s failed: %s: %s", fn.__name__, type(exc).__name__, exc)
-            return _FAILED
+            return None
 
 
 def check_heartbeat(heartbeat_s: float, ttl_s: float) -> None:

@@ -14,12 +14,10 @@ import torch
 from hivemind.p2p import PeerID
 
 from . import hivemind_wire as wire
-from .hivemind_membership import ACTIVE
 
 logger = logging.getLogger(__name__)
 
 LOOKAHEAD_STEPS = 2  # how far ahead of us a peer's round may be before we refuse to buffer it
-STRANGER_SLOT_DIVISOR = 8  # peers not active in our view get max_peers // 8 stream slots per round
 
 
 class Round:
@@ -38,17 +36,9 @@ class Round:
         self.vote_done: set[str] = set()
         self.no_payload: set[str] = set()  # peers whose payload will not come this round
         self.streams: set[str] = set()
-        # streams of peers that were not active in our view when they opened them: they have slots of
-        # their own and nobody waits for them, so strangers that open streams and then say nothing
-        # (even before the round starts) neither take the known peers' slots nor stretch the gather
-        self.stranger_streams: set[str] = set()
         self.pushed: set[str] = set()
         self.push_over: set[str] = set()  # our pushes that delivered our payload or failed
         self.late: set[str] = set()
-        self.adopting = False  # in the adopt phase: waiting for another peer's log
-        self.agreed: list[tuple[str, bytes]] = []  # our own agreement, served PROVISIONAL while adopting
-        self.agreed_digests: dict[str, bytes] = {}
-        self.flagged = False  # ended out of sync: this round serves no log
         self.my_vote = b""
         self.tasks: set[asyncio.Task] = set()
 
@@ -86,19 +76,6 @@ class GatherStreams:
         with self._excluded_lock:
             return self._excluded.get(peer, 0.0) <= time.monotonic()
 
-    def _take_slot(self, r: Round, peer: str) -> bool:
-        """Register ``peer``'s stream for round ``r`` if a slot of its kind is free."""
-        rec = self.membership.view().get(peer) if self.membership is not None else None
-        if rec is not None and rec.state == ACTIVE:
-            if len(r.streams - r.stranger_streams) >= self.max_peers:
-                return False
-        elif len(r.stranger_streams) >= max(1, self.max_peers // STRANGER_SLOT_DIVISOR):
-            return False
-        else:
-            r.stranger_streams.add(peer)
-        r.streams.add(peer)
-        return True
-
     def _exclude(self, peer: str, why: str) -> None:
         # the lock: report_invalid excludes from the training thread, bad streams from the event loop
         logger.warning("excluding peer %s for %.0f s: %s", peer, self.exclude_s, why)
@@ -107,11 +84,6 @@ class GatherStreams:
             for old in [p for p, until in self._excluded.items() if until <= now]:
                 del self._excluded[old]  # strangers can mint identities: keep only live exclusions
             self._excluded[peer] = now + self.exclude_s
-
-    async def _validate(self, data: bytes) -> bool:
-        """``payload_validator(data)`` on the backend's own validation threads: a thread that waits
-        elsewhere (a state snapshot waits for the training step) must never delay a payload."""
-        return await asyncio.get_running_loop().run_in_executor(self._validation_pool, self._valid, data)
 
     def _valid(self, data: bytes) -> bool:
         try:
@@ -188,7 +160,7 @@ class GatherStreams:
                 self._count_received(n)
                 if r.phase1.is_set():
                     return  # arrived after the gather phase: too late for this step
-                if self.payload_validator is not None and not await self._validate(data):
+                if self.payload_validator is not None and not await asyncio.to_thread(self._valid, data):
                     self._exclude(peer, "its payload failed the payload validator")
                     return
                 r.payloads[peer] = data
@@ -201,12 +173,8 @@ class GatherStreams:
                 r.notify()
 
         loop = asyncio.get_running_loop()
-        jobs = asyncio.gather(*([send_ours()] if send else []), *([recv()] if receive else []))
-        try:
-            await asyncio.wait_for(jobs, max(0.01, r.deadline - loop.time()))
-        finally:
-            if jobs.done() and not jobs.cancelled():
-                jobs.exception()  # a cancelled gather keeps a CancelledError that asyncio would print
+        jobs = ([send_ours()] if send else []) + ([recv()] if receive else [])
+        await asyncio.wait_for(asyncio.gather(*jobs), max(0.01, r.deadline - loop.time()))
 
     async def _on_gather(self, info, reader, writer) -> None:
         peer = info.peer_id.to_base58()
@@ -225,9 +193,10 @@ class GatherStreams:
                 self._answer(writer, wire.LATE)
                 return
             r = self._round(step)
-            if peer in r.streams or not self._take_slot(r, peer):
+            if peer in r.streams or len(r.streams) >= self.max_peers:
                 self._answer(writer, wire.REJECTED)
                 return
+            r.streams.add(peer)
             registered = r
             r.tasks.add(task)
             # the expected size is this peer's own payload size: wait (bounded) until we have ours
@@ -244,8 +213,6 @@ class GatherStreams:
             if not reply and not self.client_mode and peer not in r.pushed:
                 self._spawn_push(r, peer)  # a peer we did not know yet (just joined): answer it too
             await self._exchange(r, peer, reader, writer, send=reply, receive=True)
-        except asyncio.CancelledError:
-            pass  # the round ended or the backend is closing: asyncio would print it as an error
         except Exception as exc:  # noqa: BLE001 - a broken stream from a stranger only drops that stream
             logger.debug("gather stream from %s failed: %s: %s", peer, type(exc).__name__, exc)
         finally:

@@ -10,14 +10,6 @@ Gather stream (one per ordered pair of peers and step; the opener pushes, the ac
 With ``flags & REPLY`` (a client-mode opener, which cannot accept streams) the acceptor sends its
 own PAYLOAD and VOTE back on the same stream. Every read is bounded in size before it is made:
 a length field above what this peer expects closes the stream without reading the body.
-
-Log stream (a peer that fell behind, or that saw a better-informed vote, asks for one round):
-
-    requester -> LOG_REQUEST(magic, step)    LOG_MAGIC: header and payloads; LOG_HEAD_MAGIC: header only
-    server    -> STATUS (OK: the set it applied; PROVISIONAL: it is itself still adopting, this is its
-                 own agreement, header only; MISSING)
-    server    -> LOG HEADER(u32 length | JSON {step, held: {peer: digest}})  then, for OK and LOG_MAGIC,
-    server    -> the payloads in sorted peer order (each the round's payload size)
 """
 
 from __future__ import annotations
@@ -31,10 +23,10 @@ GATHER_MAGIC = b"DHG1"
 HELLO = struct.Struct(">4sBBQQ")
 VERSION = 1
 FLAG_REPLY = 1
-OK, LATE, REJECTED, BAD_SIZE, MISSING, PROVISIONAL = 0, 1, 2, 3, 4, 5
+OK, LATE, REJECTED, BAD_SIZE, MISSING = 0, 1, 2, 3, 4
 U32, U64 = struct.Struct(">I"), struct.Struct(">Q")
 LOG_REQUEST = struct.Struct(">4sQ")
-LOG_MAGIC, LOG_HEAD_MAGIC, STATE_MAGIC = b"DHL1", b"DHH1", b"DHS1"
+LOG_MAGIC, STATE_MAGIC = b"DHL1", b"DHS1"
 DIGEST_NBYTES = 8
 MAX_LOG_ENTRY_NBYTES = 96  # a base58 peer id (~52 chars) + a 16-hex digest + JSON punctuation
 

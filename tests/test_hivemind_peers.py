@@ -2,13 +2,14 @@
 
 Churn: three peers start a run; one is SIGKILLed at step 10; a fourth joins late by downloading
 state, then trains in lockstep; one has its parameters nudged at step 21, so the replica checksum
-guard must catch it and reload the majority's state. Rogue: two honest peers and one that sends garbage
-every step.
+guard must catch it and reload the majority's state. Rogue: two honest peers and one that sends garbage every step.
 Each scenario runs once (module fixture); the tests below check one behaviour each.
 """
 
+import importlib.util
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,16 @@ import pytest
 pytest.importorskip("hivemind")
 
 
-from _hm_cluster import Cluster  # noqa: E402
+def _load_helper(name: str):
+    # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+Cluster = _load_helper("_hm_cluster").Cluster
 
 STEP_TIMEOUT_S = 4.0
 COMMON = [

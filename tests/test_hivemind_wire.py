@@ -1,8 +1,6 @@
 """The contributor-agreement rule and the safe state format of the hivemind backend (no network)."""
 
-import json
 import math
-import struct
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ pytest.importorskip("hivemind")
 
 from distro_opt.comm import hivemind_wire as wire  # noqa: E402
 from distro_opt.comm.hivemind_membership import majority  # noqa: E402
-from distro_opt.comm.hivemind_state import MAGIC, StateFormatError, dump_state, load_state  # noqa: E402
+from distro_opt.comm.hivemind_state import StateFormatError, dump_state, load_state  # noqa: E402
 
 
 def votes_seen_by(me, held):
@@ -137,31 +135,3 @@ def test_a_peer_listening_on_loopback_only_does_not_map_ports_on_the_local_netwo
         "use_auto_relay": True
     }
     assert dht_options(["/dns4/example.org/tcp/31337"], None) == {}
-
-
-def forged_state(table, body: bytes, tree) -> bytes:
-    """A state blob with a hand-made tensor table (what a hostile server could send)."""
-    header = json.dumps({"tree": tree, "tensors": table}).encode()
-    return MAGIC + struct.pack(">I", len(header)) + header + body
-
-
-def uint8_entry(offset, nbytes):
-    return {"dtype": "uint8", "shape": [nbytes], "offset": offset, "nbytes": nbytes}
-
-
-def test_state_load_refuses_tensors_that_share_bytes():
-    # 1000 entries over the same 1 KiB would allocate 1000 KiB: each one is copied out
-    blob = forged_state([uint8_entry(0, 1024)] * 1000, bytes(1024), {"__list__": [{"__tensor__": 0}]})
-    with pytest.raises(StateFormatError, match="tensor 1 starts at byte 0, not where the previous one ended"):
-        load_state(blob)
-
-
-def test_state_load_refuses_a_gap_between_tensors():
-    blob = forged_state([uint8_entry(0, 4), uint8_entry(8, 4)], bytes(12), {"__tensor__": 0})
-    with pytest.raises(StateFormatError, match="tensor 1 starts at byte 8"):
-        load_state(blob)
-
-
-def test_state_load_refuses_bytes_after_the_last_tensor():
-    with pytest.raises(StateFormatError, match="3 bytes that no tensor accounts for"):
-        load_state(dump_state({"w": torch.ones(2)}) + b"xyz")
