@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,84 +20,13 @@ from hivemind.p2p import PeerID  # noqa: E402
 from distro_opt.comm import hivemind_backend, hivemind_wire as wire  # noqa: E402
 from distro_opt.comm.hivemind_backend import HivemindBackend, HivemindBackendError, dht_options  # noqa: E402
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-STEP_TIMEOUT_S = 2.0
+import _hm_local as local  # noqa: E402
+
+LOOPBACK, STEP_TIMEOUT_S = local.LOOPBACK, local.STEP_TIMEOUT_S
+group, wait_all, gather = local.group, local.wait_all, local.gather
+filled, firsts = local.filled, local.firsts
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def dhts():
-    options = dht_options([LOOPBACK], None)  # what a HivemindBackend would start with
-    first = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], **options)
-    maddrs = [str(m) for m in first.get_visible_maddrs()]
-    assert all(m.startswith("/ip4/127.0.0.1/") for m in maddrs)
-    others = [
-        hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=maddrs, **options) for _ in range(2)
-    ]
-    yield [first, *others]
-    for dht in [first, *others]:
-        dht.shutdown()
-
-
-@contextmanager
-def group(dhts, n=3, options=None, wait=True):
-    """``n`` backends of a fresh run on the shared DHTs; ``options[i]`` are extra kwargs of backend i."""
-    run_id = f"t{uuid.uuid4().hex[:10]}"
-    backends = []
-    try:
-        for i in range(n):
-            kwargs = dict(step_timeout_s=STEP_TIMEOUT_S, heartbeat_s=0.3, ttl_s=1.5, exclude_s=30.0)
-            kwargs.update((options or {}).get(i, {}))
-            backends.append(HivemindBackend(run_id, dht=dhts[i], **kwargs))
-        if wait:
-            wait_all(backends, n - 1)
-        yield backends
-    finally:
-        for b in backends:
-            b.close()
-
-
-def wait_all(backends, n):
-    """Every backend announces itself and waits for ``n`` others (in parallel, as separate peers would)."""
-    counts = [None] * len(backends)
-
-    def run(i):
-        counts[i] = backends[i].wait_for_peers(n, 10)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(backends))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(15)
-    assert counts == [n] * len(backends)
-
-
-def gather(pairs, timeout_s=3 * STEP_TIMEOUT_S + 5):
-    """Run ``backend.all_gather(buf)`` for each (backend, buf) on its own thread; return results and times."""
-    results, times = [None] * len(pairs), [None] * len(pairs)
-
-    def run(i, backend, buf):
-        t0 = time.monotonic()
-        results[i] = backend.all_gather(buf)
-        times[i] = time.monotonic() - t0
-
-    threads = [
-        threading.Thread(target=run, args=(i, b, buf), daemon=True) for i, (b, buf) in enumerate(pairs)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    assert all(r is not None for r in results), "a gather did not return"
-    return results, times
-
-
-def filled(value, n=1000):
-    return torch.full((n,), value, dtype=torch.uint8)
-
-
-def firsts(bufs):
-    return [int(b[0]) for b in bufs]
+dhts = local.dhts_fixture(3)
 
 
 def test_all_gather_returns_every_peers_buffer_sorted_by_peer_id(dhts):
