@@ -226,7 +226,7 @@ class DCTTransform:
         if self._native(chunk, out):
             native.accumulate(xs, old, out, decay, scale, peaks)
             return peaks is not None
-        if self.fills_peaks(chunk, out):  # old may be None here (``forward``), out never
+        if onednn and self.first_and_last_only(chunk):  # old may be None here (``forward``), out never
             self._accumulate_onednn(xs, chunk, old, out, decay, scale, peaks)
             return peaks is not None
         if last_only:  # the last axis alone (a matrix's case): one GEMM per part, on rows of that axis
