@@ -4,10 +4,10 @@ For float32 CPU matrices of 64 x 64 chunks, ``DCTTransform.accumulate`` hands th
 ``out = decay * old + scale * DCT(x)`` and its run peaks to this kernel where setup.py could build it
 (Linux, a C compiler) and the CPU has AVX2 or AVX-512: a fast DCT (even/odd splits, 22 instead of 64
 multiply-adds per element and axis) in one pass per chunk, in place of two GEMMs and three passes.
-Elsewhere, for other chunks and dtypes, under ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``
-(the user's bf16 opt-in, which keeps its bf16 GEMMs), or with ``DISTRO_OPT_NATIVE=0`` in the
-environment, the GEMM path runs. Both give the orthonormal DCT-II to float32 rounding (not the same
-bits), and the kernel's results do not depend on the thread count.
+Elsewhere, for other chunks and dtypes, or with ``DISTRO_OPT_NATIVE=0`` in the environment, the GEMM
+path runs (and there the user's ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` may make its
+GEMMs bf16; the kernel stays float32 under that setting). Both give the orthonormal DCT-II to
+float32 rounding (not the same bits), and the kernel's results do not depend on the thread count.
 """
 from __future__ import annotations
 
