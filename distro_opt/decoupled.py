@@ -62,11 +62,9 @@ def _check_step(index, step) -> None:
         return
     if torch.is_tensor(step):
         ok = step.numel() == 1 and not step.is_complex() and step.dtype != torch.bool
-        value = float(step) if ok else None
     else:
         ok = isinstance(step, (int, float)) and not isinstance(step, bool)
-        value = float(step) if ok else None
-    if not (ok and math.isfinite(value) and value >= 0):
+    if not (ok and math.isfinite(float(step)) and float(step) >= 0):
         raise ValueError(f"checkpoint's step of parameter {index} is {step!r}, not a count of steps")
 
 
