@@ -123,8 +123,8 @@ def _refuse_ended_job(store, path: str, world_size: int) -> None:
             continue
         record = store.get(key).decode("utf-8", "replace")
         if _has_ended(record):
-            parts = record.split()
-            if len(parts) != _RECORD_FIELDS or not parts[1].isdigit():
+            parts = _fields(record)
+            if parts is None:
                 raise _stale(path, f"its rank {rank} record {record!r} is not one this version writes")
             raise _stale(path, f"its rank {rank} was process {parts[1]} on {parts[0]}, which has ended")
 
@@ -158,14 +158,21 @@ def _start_time(pid) -> str:
     return stat[stat.rindex(")") + 2:].split()[19]  # field 22 of proc_pid_stat(5)
 
 
+def _fields(record: str) -> list[str] | None:
+    """A record's fields (host, pid, start time, PID namespace, boot id), or None where it is not one
+    this version writes (an earlier version's)."""
+    parts = record.split()
+    return parts if len(parts) == _RECORD_FIELDS and parts[1].isdigit() else None
+
+
 def _has_ended(record: str) -> bool:
     """Whether the process in ``record`` (from _this_process) has certainly ended. A record of
     another PID namespace or boot (a rank in another container sharing the file, or on another
     machine), or one whose start time cannot be read here (another user's process under
     ``hidepid``), cannot be checked: it counts as running. A record of another shape is an earlier
     version's: ended."""
-    parts = record.split()
-    if len(parts) != _RECORD_FIELDS or not parts[1].isdigit():
+    parts = _fields(record)
+    if parts is None:
         return True
     pid, started, space = int(parts[1]), parts[2], tuple(parts[3:])
     here = _pid_space()
