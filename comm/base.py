@@ -1,7 +1,7 @@
 """The one communication interface every backend implements, and the byte-accounting rules.
 
 A backend moves opaque byte buffers between workers and counts them. It never interprets a
-payload: decoding and validation belong to the optimizer's codec (``distro_opt.codec``).
+payload: decoding and validation belong to the optimizer's wire format (``distro_opt.wire``).
 """
 from __future__ import annotations
 

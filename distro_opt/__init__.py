@@ -4,9 +4,9 @@
 Communication backends live in ``distro_opt.comm``.
 """
 from .adamw import DisTrOAdamW
-from .codec import PayloadLayout, param_spec
+from .wire import PayloadLayout, param_spec
 from .demo import DeMo
-from .quant import PayloadError
+from .values import PayloadError
 from .transform import DCTTransform
 
 __all__ = ["DisTrOAdamW", "DeMo", "DCTTransform", "PayloadLayout", "PayloadError", "param_spec"]

@@ -1,7 +1,8 @@
 """DeMo: Decoupled Momentum Optimization (Peng, Quesnelle, Kingma 2024, arXiv 2411.19870)."""
 from __future__ import annotations
 
-from .decoupled import DecoupledMomentumOptimizer, check_hyperparameters
+from .optimizer import DecoupledMomentumOptimizer, check_hyperparameters
+from .updates import SignUpdate
 
 
 class DeMo(DecoupledMomentumOptimizer):
@@ -65,11 +66,10 @@ class DeMo(DecoupledMomentumOptimizer):
             compression_bits=compression_bits,
         )
         super().__init__(params, defaults, comm=comm, process_group=process_group, overlap=overlap)
+        self._sign = SignUpdate(self._weight_decay)
 
     def _momentum_scale(self, group):
         return group["lr"]
 
-    def _update(self, group, p, direction, state):
-        target = self._view(p, direction)
-        self._weight_decay(group, p)  # on p itself: a contiguous pass is cheaper than the blocked view
-        self._sign_step(group, target, direction)
+    def _update_rule(self, group):
+        return self._sign

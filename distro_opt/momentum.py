@@ -1,10 +1,10 @@
 """Where the error-feedback momentum of a payload segment lives during a step, and how top-k reads it.
 
 Each segment's momentum is one flat buffer: its members back to back, each in its tensor's own
-layout (what ``DCTTransform.forward`` returns). So the transform writes it in place (the momentum
-update is the beta of the first-axis GEMM, ``DCTTransform.accumulate``), and the state holds views
-of it shaped like the parameters. A chunk's coefficients are then not contiguous: top-k finds them
-as runs along the last axis (``topk_abs_in_runs``).
+layout (``dct.py``), so the transform writes it in place (``DCTTransform.accumulate``), and the
+state holds views of it shaped like the parameters. A chunk's coefficients are then not contiguous:
+top-k finds them as runs along the last axis (``topk.topk_abs_in_runs``), ranked by each run's peak,
+which the native and oneDNN paths take while the data is in cache.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from .kept import kept_tensors
-from .select import topk_abs_in_runs, topk_abs_indices
+from . import dct
+from .topk import topk_abs_in_runs, topk_abs_indices
 from .transform import DCTTransform
 
 # The forward transform batches neighbouring same-shape tensors up to this many elements (off the
@@ -24,28 +24,6 @@ RUN_NUMEL = 1 << 24
 MIN_RUN = 16
 
 
-def transform_runs(entries, layout, seg) -> list[tuple[list[int], tuple[int, int]]]:
-    """The segment's members cut into runs of neighbours with one shape and one param group, at most
-    RUN_NUMEL elements each (one batched transform each), with the chunks (first, end) they occupy."""
-    runs, numel = [], 0
-    for m, (a, b) in zip(seg.members, seg.rows):
-        size = math.prod(layout.specs[m].shape)
-        prev = runs[-1][0][-1] if runs else None
-        if (
-            prev is not None
-            and layout.specs[prev].shape == layout.specs[m].shape
-            and entries[prev][0] is entries[m][0]
-            and numel + size <= RUN_NUMEL
-        ):
-            runs[-1][0].append(m)
-            runs[-1][1][1] = b
-            numel += size
-        else:
-            runs.append(([m], [a, b]))
-            numel = size
-    return [(members, (a, b)) for members, (a, b) in runs]
-
-
 class MomentumStacks:
     """Per segment ``j`` of a layout: two flat momentum buffers used in turn, and the top-k over one.
 
@@ -54,20 +32,55 @@ class MomentumStacks:
     page-faults) a model-sized tensor."""
 
     def __init__(self, transform: DCTTransform):
-        self._transform = transform
+        self.transform = transform
         self._pairs: dict[int, list[torch.Tensor]] = {}
         self._run_tables: dict[tuple, torch.Tensor | None] = {}
         self._peaks: dict[int, torch.Tensor] = {}
+        self._in_use: set[int] = set()
 
     def reset(self) -> None:
         """Forget the buffers (after loading a state: its tensors may be views of them)."""
         self._pairs = {}
 
+    def begin_step(self, states) -> None:
+        """Note the storage of every momentum in ``states`` (all of the optimizer's, the frozen
+        parameters' included): after the layout changes (a parameter frozen or unfrozen), segment
+        ``j``'s buffers may back other parameters' momentum, and must not be written."""
+        self._in_use = {st["delta"].untyped_storage().data_ptr() for st in states}
+
+    def open(self, layout, j, seg, deltas):
+        """Segment ``j``'s buffers for this step: (the committed momentum as one flat tensor, the
+        buffer the new momentum goes to, the run-peaks buffer or None; see ``peaks``)."""
+        new = self.spare(j, seg, deltas, self._in_use)
+        old = self.committed(j, seg, deltas, new)
+        return old, new, self.peaks(layout, j, seg, new)
+
+    @staticmethod
+    def runs(entries, layout, seg) -> list[tuple[list[int], tuple[int, int]]]:
+        """The segment's members cut into runs of neighbours with one shape and one param group, at most
+        RUN_NUMEL elements each (one batched transform each), with the chunks (first, end) they occupy."""
+        runs, numel = [], 0
+        for m, (a, b) in zip(seg.members, seg.rows):
+            size = math.prod(layout.specs[m].shape)
+            prev = runs[-1][0][-1] if runs else None
+            if (
+                prev is not None
+                and layout.specs[prev].shape == layout.specs[m].shape
+                and entries[prev][0] is entries[m][0]
+                and numel + size <= RUN_NUMEL
+            ):
+                runs[-1][0].append(m)
+                runs[-1][1][1] = b
+                numel += size
+            else:
+                runs.append(([m], [a, b]))
+                numel = size
+        return [(members, (a, b)) for members, (a, b) in runs]
+
+
     def spare(self, j, seg, deltas, in_use: set[int]) -> torch.Tensor:
-        """The buffer that no state tensor views: this step's new momentum goes there. ``in_use``
-        holds the storage address of every state tensor of the optimizer, not only this segment's:
-        after the layout changes (a parameter frozen or unfrozen), segment ``j``'s buffers may back
-        other parameters' momentum."""
+        """The buffer that no state tensor views (``in_use``: their storage addresses): this step's
+        new momentum goes there."""
         dtype = deltas[0].dtype
         for other in {d.dtype for d in deltas} - {dtype}:
             dtype = torch.promote_types(dtype, other)
@@ -78,7 +91,7 @@ class MomentumStacks:
             or (pair[0].shape, pair[0].dtype, pair[0].device) != (shape, dtype, device)
             or all(buf.untyped_storage().data_ptr() in in_use for buf in pair)
         ):  # fresh buffers: no state tensor can be a view of them
-            with kept_tensors():
+            with torch.inference_mode(False):
                 pair = self._pairs[j] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
         return next(buf for buf in pair if buf.untyped_storage().data_ptr() not in in_use)
 
@@ -99,14 +112,14 @@ class MomentumStacks:
         segment ``j``'s ``stack`` (see ``DCTTransform.accumulate``), where the transform can fill it
         and top-k reads runs (``DCTTransform.fills_peaks``; runs of at least MIN_RUN, scattered over
         rows). None elsewhere."""
-        if seg.chunk[-1] < MIN_RUN or not self._transform.fills_peaks(seg.chunk, stack):
+        if seg.chunk[-1] < MIN_RUN or not self.transform.fills_peaks(seg.chunk, stack):
             return None
         if self._run_rows(layout, j, seg, stack.device) is None:  # chunks are rows: no runs to rank
             return None
         numel = stack.numel() // seg.chunk[-1]
         buf = self._peaks.get(j)
         if buf is None or buf.numel() != numel or buf.dtype != stack.dtype:
-            with kept_tensors():
+            with torch.inference_mode(False):
                 buf = self._peaks[j] = torch.empty(numel, dtype=stack.dtype)
         return buf
 
@@ -128,14 +141,14 @@ class MomentumStacks:
         # short runs: copy to chunk-major rows and back
         shapes = [layout.specs[m].shape for m in seg.members]
         pieces = [(stack[a * n : b * n].view(s), a, b) for s, (a, b) in zip(shapes, seg.rows)]
-        rows = torch.cat([self._transform.chunk_rows(x, seg.chunk) for x, _, _ in pieces])
+        rows = torch.cat([dct.chunk_rows(x, seg.chunk) for x, _, _ in pieces])
         idx = topk_abs_indices(rows, k)
 
         def feedback(sent):
             rows.scatter_add_(1, idx, -sent)
             for x, a, b in pieces:
-                x.view(self._transform.blocked_shape(x.shape, seg.chunk)).copy_(
-                    self._transform.blocked(rows[a:b], tuple(x.shape) or (1,), seg.chunk)
+                x.view(dct.blocked_shape(x.shape, seg.chunk)).copy_(
+                    dct.blocked(rows[a:b], tuple(x.shape) or (1,), seg.chunk)
                 )
 
         return idx, rows.gather(1, idx), feedback
@@ -145,18 +158,18 @@ class MomentumStacks:
         member's own layout already lists its chunks as rows, empty for the copy path."""
         key = (id(layout), j, device)
         if key not in self._run_tables:
-            with kept_tensors():
+            with torch.inference_mode(False):
                 self._run_tables[key] = self._new_run_rows(layout, seg, device)
         return self._run_tables[key]
 
     def _new_run_rows(self, layout, seg, device) -> torch.Tensor | None:
         shapes = [layout.specs[m].shape for m in seg.members]
-        if all(self._transform.own_layout_is_chunk_major(shape, seg.chunk) for shape in shapes):
+        if all(dct.own_layout_is_chunk_major(shape, seg.chunk) for shape in shapes):
             return None
         if seg.chunk[-1] < MIN_RUN:
             return torch.empty(0)
         tables, offset = [], 0
         for m, (a, b) in zip(seg.members, seg.rows):
-            tables.append(self._transform.run_rows(layout.specs[m].shape, seg.chunk) + offset)
+            tables.append(dct.run_rows(layout.specs[m].shape, seg.chunk) + offset)
             offset += (b - a) * seg.chunk_numel // seg.chunk[-1]
         return torch.cat(tables).to(device)

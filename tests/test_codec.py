@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from distro_opt.codec import HEADER_NBYTES, PayloadLayout, param_spec
-from distro_opt.quant import PayloadError, pack_bits, unpack_bits, value_codec
+from distro_opt.wire import HEADER_NBYTES, PayloadLayout, param_spec
+from distro_opt.values import PayloadError, pack_bits, unpack_bits, value_codec
 
 
 @pytest.mark.parametrize("nbits", [1, 2, 3, 7, 8, 12, 16])

@@ -4,7 +4,7 @@ import pytest
 import scipy.fft
 import torch
 
-from distro_opt import DeMo
+from distro_opt import DeMo, DisTrOAdamW, reference
 from distro_opt.comm import InProcessBackend
 
 
@@ -147,4 +147,79 @@ def test_demo_defaults_in_float32_match_the_float64_reference_but_for_rounding()
     for ours in results:
         for got, want in zip(ours, ref.params):
             differ = np.abs(got - want) > 1e-5
+            assert differ.mean() <= 0.002, f"{differ.sum()} of {differ.size} entries differ"
+
+
+
+def _reference_run(init, grads, settings, input_scale, lr):
+    """``distro_opt.reference`` from the same start, every parameter in one group of ``lr``."""
+    params = [torch.from_numpy(x.copy()) for x in init]
+    deltas = [[torch.zeros_like(p) for p in params] for _ in grads[0]]
+    for step in grads:
+        for j, p in enumerate(params):
+            workers = [torch.from_numpy(np.array(w[j])) for w in step]
+            reference.demo_step(p, workers, [d[j] for d in deltas], lr=lr, input_scale=input_scale, **settings)
+    return [p.numpy() for p in params]
+
+
+REFERENCE_SETTINGS = dict(compression_decay=0.9, compression_topk=5, compression_chunk=16, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_products_reference_step_matches_the_scipy_reference(world_size):
+    """``distro_opt.reference``, the plain step a newcomer reads first, against this file's
+    independent numpy/scipy transcription of Algorithm 1."""
+    init, grads = _data(SHAPES, world_size, steps=4, seed=3)
+    ref = ReferenceDeMo(init, 0.9, 5, 16, world_size)
+    for step in grads:
+        ref.step(step, [0.01] * len(SHAPES), [0.1] * len(SHAPES))
+    ours = _reference_run(init, grads, REFERENCE_SETTINGS, input_scale=0.01, lr=0.01)
+    for got, want, ties in zip(ours, ref.params, ref.ties):
+        differ = np.abs(got - want) > 1e-9
+        assert not (differ & ~ties).any(), f"{(differ & ~ties).sum()} entries differ without a sign tie"
+
+
+@pytest.mark.parametrize("cls, input_scale", [(DeMo, 0.01), (DisTrOAdamW, 1.0)])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_fast_step_matches_the_reference_step(cls, input_scale, world_size):
+    """The optimizers' step (segments, own-layout coefficients, top-k over runs, the wire format)
+    against ``distro_opt.reference`` in float64 with exact values: DeMo scales its input by the lr,
+    DisTrOAdamW does not."""
+    init, grads = _data(SHAPES, world_size, steps=4, seed=4)
+    want = _reference_run(init, grads, REFERENCE_SETTINGS, input_scale=input_scale, lr=0.01)
+
+    def worker(backend):
+        params = [torch.nn.Parameter(torch.from_numpy(x.copy())) for x in init]
+        opt = cls(params, lr=0.01, comm=backend, compression_bits=64, **REFERENCE_SETTINGS)
+        for step in grads:
+            for p, g in zip(params, step[backend.rank]):
+                p.grad = torch.from_numpy(np.array(g))
+            opt.step()
+        return [p.detach().numpy().copy() for p in params]
+
+    for ours in InProcessBackend.run(world_size, worker, timeout_s=120):
+        for got, expected in zip(ours, want):
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
+
+
+def test_the_float32_fast_paths_match_the_float64_reference_step_but_for_rounding():
+    """float32 matrices of 64x64 chunks take the native kernel (or oneDNN) and the top-k over run
+    peaks; float32 rounding may pick another coefficient at a near-tie, nothing more."""
+    shapes = [(128, 192), (64, 320), (192,)]
+    init, grads = _data(shapes, 2, steps=5, seed=5)
+    settings = dict(compression_decay=0.999, compression_topk=4, compression_chunk=64, weight_decay=0.1)
+    want = _reference_run(init, grads, settings, input_scale=1.0, lr=0.01)
+
+    def worker(backend):
+        params = [torch.nn.Parameter(torch.from_numpy(x.copy()).float()) for x in init]
+        opt = DisTrOAdamW(params, lr=0.01, comm=backend, compression_bits=32, **settings)
+        for step in grads:
+            for p, g in zip(params, step[backend.rank]):
+                p.grad = torch.from_numpy(np.array(g)).float()
+            opt.step()
+        return [p.detach().double().numpy().copy() for p in params]
+
+    for ours in InProcessBackend.run(2, worker, timeout_s=120):
+        for got, expected in zip(ours, want):
+            differ = np.abs(got - expected) > 1e-5
             assert differ.mean() <= 0.002, f"{differ.sum()} of {differ.size} entries differ"

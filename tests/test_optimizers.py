@@ -472,8 +472,8 @@ def test_segment_mixing_float64_and_float32_parameters_keeps_each_buffer_dtype()
 def _state_tensors(opt):
     """Every tensor of the optimizer's state, the local-step mode's inner optimizer's included."""
     states = list(opt.state.values())
-    if getattr(opt, "_inner", None) is not None:
-        states += list(opt._inner.state.values())
+    if getattr(opt, "inner_optimizer", None) is not None:
+        states += list(opt.inner_optimizer.state.values())
     return [t for st in states if isinstance(st, dict) for t in st.values() if torch.is_tensor(t)]
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from distro_opt.select import largest_indices, topk_abs_in_runs, topk_abs_indices, uses_groups
+from distro_opt.topk import largest_indices, topk_abs_in_runs, topk_abs_indices, uses_groups
 from distro_opt.transform import DCTTransform
 
 

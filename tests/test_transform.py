@@ -7,9 +7,10 @@ import pytest
 import scipy.fft
 import torch
 
-from distro_opt.transform import DCTTransform, chunk_size, dct_matrix
+from distro_opt.dct import chunk_size, dct_matrix
+from distro_opt.transform import DCTTransform
 import distro_opt.native as native_module
-import distro_opt.transform as transform_module
+import distro_opt.gemm as gemm_module
 
 
 @pytest.mark.parametrize(
@@ -63,13 +64,13 @@ def forward_gemm(request, monkeypatch):
         return "native"
     monkeypatch.setattr(native_module, "handles", lambda chunk, like: False)
     if request.param == "torch":
-        monkeypatch.setattr(transform_module, "_ONEDNN_LINEAR", None)
+        monkeypatch.setattr(gemm_module, "_ONEDNN_LINEAR", None)
         return None
-    real = transform_module._ONEDNN_LINEAR
+    real = gemm_module._ONEDNN_LINEAR
     if real is None:
         pytest.skip("this torch build has no oneDNN")
     spy = _GemmSpy(real)
-    monkeypatch.setattr(transform_module, "_ONEDNN_LINEAR", spy)
+    monkeypatch.setattr(gemm_module, "_ONEDNN_LINEAR", spy)
     return spy
 
 
@@ -117,7 +118,7 @@ def test_sparse_decode_equals_dense_decode_with_repeated_indices(shape, m):
 def test_decode_many_yields_each_piece_across_slabs(monkeypatch, slab_chunks):
     """Pieces decoded in slabs (several small pieces in one, a long piece alone) equal each piece's
     dense inverse, when each view is used before the next is asked for."""
-    monkeypatch.setattr(transform_module, "SLAB_NUMEL", slab_chunks * 16 * 16)
+    monkeypatch.setattr(gemm_module, "SLAB_NUMEL", slab_chunks * 16 * 16)
     t = DCTTransform()
     shapes = [(32, 48), (16, 48), (16, 48), (64, 48), (16, 48), (128, 48)]
     chunk = (16, 16)
@@ -150,12 +151,12 @@ def _scipy_own_layout(x: np.ndarray, chunk) -> np.ndarray:
 )
 @pytest.mark.parametrize("members", [1, 3])
 # slabs: the default (one slab here), one first-axis block each, and slabs that cut across tensors
-@pytest.mark.parametrize("slab_numel", [transform_module.SLAB_NUMEL, 1, 5000])
+@pytest.mark.parametrize("slab_numel", [gemm_module.SLAB_NUMEL, 1, 5000])
 @pytest.mark.parametrize("dtype, forward_gemm, atol", GEMMS, indirect=["forward_gemm"])
 def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(
     shape, target, members, slab_numel, dtype, forward_gemm, atol, monkeypatch
 ):
-    monkeypatch.setattr(transform_module, "SLAB_NUMEL", slab_numel)
+    monkeypatch.setattr(gemm_module, "SLAB_NUMEL", slab_numel)
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal(shape) for _ in range(members)]
     old = rng.standard_normal(members * int(np.prod(shape)))
@@ -172,7 +173,7 @@ def test_accumulate_is_decayed_old_plus_scaled_dct_in_each_tensors_own_layout(
     # the run peaks come with the oneDNN path (matrices in float32) and the native kernel (64 x 64
     # chunks), exactly max |out| of each run
     if forward_gemm == "native":  # the other matrices take oneDNN where this torch has it
-        onednn = transform_module._ONEDNN_LINEAR is not None
+        onednn = gemm_module._ONEDNN_LINEAR is not None
         assert filled == (tuple(chunk) == (64, 64) or onednn and DCTTransform.first_and_last_only(chunk))
     else:
         assert filled == (forward_gemm is not None and DCTTransform.first_and_last_only(chunk))
@@ -191,7 +192,7 @@ def bf16_allowed():
     """torch's process-wide permission for oneDNN to compute float32 matmuls in bf16, given for the
     test (set it back to False inside to take it away) and restored after; on the GEMM path (the
     native kernel, which it does not reach, off)."""
-    if not transform_module._ONEDNN_BF16:
+    if not gemm_module._ONEDNN_BF16:
         pytest.skip("this CPU (or this torch build) has no oneDNN bf16 arithmetic")
     matmul = torch.backends.mkldnn.matmul
     before = matmul.fp32_precision

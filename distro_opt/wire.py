@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .quant import PayloadError, pack_bits, packed_nbytes, unpack_bits, value_codec
-from .transform import DCTTransform
+from .values import PayloadError, pack_bits, packed_nbytes, unpack_bits, value_codec
+from .dct import chunk_shape
 
 MAGIC = b"DT"
 FORMAT_VERSION = 1
@@ -54,7 +54,7 @@ class ParamSpec:
 
 def param_spec(shape, topk: int, chunk_target: int, bits: int) -> ParamSpec:
     """The spec of a parameter of ``shape`` under the group settings (k is capped at the chunk size)."""
-    chunk = DCTTransform.chunk_shape(tuple(shape), chunk_target)
+    chunk = chunk_shape(tuple(shape), chunk_target)
     value_codec(bits)  # validates bits
     return ParamSpec(tuple(shape), chunk, min(topk, math.prod(chunk)), bits)
 
@@ -172,31 +172,3 @@ class PayloadLayout:
                 raise PayloadError(f"{exc} (segment {j})") from None
             out.append((idx.reshape(seg.num_chunks, seg.k), values))
         return out
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``. A host tensor goes to a GPU from pinned memory without waiting: a copy
-    from ordinary memory would hold the host until the GPU's queued work is done."""
-    if t.device == device:
-        return t
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def aggregate(seg: Segment, contributions: list[tuple[torch.Tensor, torch.Tensor]], like: torch.Tensor):
-    """DeMo's aggregate: each coefficient is the mean of the values of the workers that kept it
-    (0 where nobody did). ``contributions`` are (indices, values) of one segment, one per worker.
-
-    Returned sparse, as (indices, weights) per chunk with repeats: a coefficient kept by n workers
-    appears n times with weight value / n, so the repeats add up to the mean."""
-    dev, dtype = like.device, like.dtype
-    idx = to_device(torch.cat([i for i, _ in contributions], dim=1), dev)
-    values = to_device(torch.cat([v.to(dtype) for _, v in contributions], dim=1), dev)
-    m = idx.shape[1]
-    if m * m <= seg.chunk_numel:  # few values per chunk: count repeats pairwise, no dense pass
-        count = (idx.unsqueeze(2) == idx.unsqueeze(1)).sum(2).to(dtype)
-    else:
-        dense = torch.zeros(seg.num_chunks, seg.chunk_numel, dtype=dtype, device=dev)
-        count = dense.scatter_add_(1, idx, torch.ones_like(values)).gather(1, idx)
-    return idx, values / count

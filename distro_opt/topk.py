@@ -1,8 +1,8 @@
 """Per-row top-k by magnitude: the indices of the k largest |x| in every row of a matrix.
 
-``torch.topk`` on CPU selects by a partial sort of every full row (~2 ns per element here, more than
-the rest of a DisTrOAdamW step's elementwise work). For a small k of a long row, two cheaper
-passes find the same set:
+``torch.topk`` on CPU selects by a partial sort of every full row, which costs more than the rest of
+a DisTrOAdamW step's elementwise work. For a small k of a long row, two cheaper passes find the
+same set:
 
 1. cut each row into groups of ``GROUP`` neighbours and take every group's largest |x|
    (``amax``/``amin`` reduce contiguous memory, no |x| is materialized);
@@ -28,7 +28,7 @@ def uses_groups(numel: int, k: int) -> bool:
 
 def group_peaks(groups: torch.Tensor) -> torch.Tensor:
     """max |x| over the last dimension, without materializing |x| (step 1 above). On a GPU the
-    inf-norm reduction does it in one pass; on the CPU it ran ~13x slower than ``amax`` + ``amin``."""
+    inf-norm reduction does it in one pass; on the CPU it is much slower than ``amax`` + ``amin``."""
     if groups.device.type == "cuda":
         return torch.linalg.vector_norm(groups, float("inf"), dim=-1)
     return torch.maximum(groups.amax(-1), groups.amin(-1).neg_())
@@ -38,10 +38,9 @@ def largest_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (rows, k), unsorted, of the k largest entries of every row of the 2-D ``x``, whose
     entries are >= 0 or NaN (NaN first, like ``torch.topk``); ``x`` is overwritten.
 
-    For short rows on the CPU, k rounds of ``argmax`` and masking: torch's top-k costs ~8 ns per
-    element for rows of 128 or fewer here (~2 ns for 256 or more), and on the model's (1282, 64)
-    run peaks took 661 against 453 us at 1 thread (307 against 252 at 2). Ties may pick other
-    entries than ``torch.topk`` would; either is a valid top-k."""
+    For short rows on the CPU, k rounds of ``argmax`` and masking: torch's top-k has a high cost per
+    element for rows of 128 or fewer. Ties may pick other entries than ``torch.topk`` would; either
+    is a valid top-k."""
     rows, n = x.shape
     if x.device.type != "cpu" or n > 128 or k > 8:
         return x.topk(k, dim=1, sorted=False).indices
@@ -81,7 +80,7 @@ def topk_abs_in_runs(
     c = rows.shape[1]
     if k < runs:
         row_peaks = group_peaks(rows) if row_peaks is None else row_peaks
-        peaks = row_peaks.index_select(0, run_rows.view(-1)).view(chunks, runs)  # ~3x faster than [run_rows]
+        peaks = row_peaks.index_select(0, run_rows.view(-1)).view(chunks, runs)  # index_select: faster than [run_rows]
         best = largest_indices(peaks, k)  # (chunks, k) run numbers
     else:  # every run is a candidate
         best = torch.arange(runs, device=rows.device).expand(chunks, runs)

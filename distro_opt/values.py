@@ -22,7 +22,6 @@ import math
 
 import torch
 
-from .kept import kept_tensors
 
 SCALE_NBYTES = 2  # per-chunk scales travel as bfloat16: fp32 range, 8 significant bits
 
@@ -153,7 +152,7 @@ class ScaledValues:
         for 1/127, so a GPU worker computing them itself would decode other values than a CPU one."""
         key = (dtype, device)
         if key not in self._units:
-            with kept_tensors():
+            with torch.inference_mode(False):
                 c = torch.arange(1 << self.nbits, dtype=dtype)
                 if self.nbits == 1:
                     unit = 2 * c - 1

@@ -1,0 +1,265 @@
+"""The torch.optim side of DeMo and DisTrOAdamW: groups, state, step(), overlap, checkpoints.
+
+``step()`` runs the pipeline of ``step.py`` with this optimizer's parts: its communication backend
+(``distro_opt.comm``), its transform, its momentum buffers, its input source (``local_steps.py``:
+the gradients, or pseudo-gradients every H steps) and each group's update rule (``updates.py``).
+A subclass says two things: each group's momentum input scale and its update rule.
+
+``step()`` and ``flush()`` run under ``torch.inference_mode()``, so the step's many small tensor
+operations skip autograd's bookkeeping. Tensors made there are inference tensors, which cannot be
+updated in place outside it; so what the optimizer keeps between steps (its state, reused buffers,
+cached tables) is made under ``torch.inference_mode(False)`` and stays an ordinary tensor, which
+users may inspect, modify and save as with any torch optimizer.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from distro_opt.comm import resolve_backend
+
+from . import checkpoint
+from .local_steps import GRADIENTS
+from .momentum import MomentumStacks
+from .step import apply_update, compress, decode_payloads, momentum_state
+from .transform import DCTTransform
+from .updates import WeightDecay
+from .values import value_codec
+from .wire import PayloadLayout, param_spec
+
+
+def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits):
+    """torch-style validation (``not 0.0 <= x`` so that NaN is rejected too)."""
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not 0.0 <= compression_decay < 1.0:
+        raise ValueError(f"Invalid compression_decay value: {compression_decay}")
+    if not (isinstance(compression_topk, int) and compression_topk >= 1):
+        raise ValueError(f"Invalid compression_topk value: {compression_topk}")
+    if not (isinstance(compression_chunk, int) and compression_chunk >= 1):
+        raise ValueError(f"Invalid compression_chunk value: {compression_chunk}")
+    value_codec(compression_bits)
+
+
+def _with_group_copies(entries):
+    """``entries`` with each param group replaced by a copy of its settings as they are now (tensors
+    cloned: a scheduler updates a tensor lr in place)."""
+    copies = {}
+    for group, _ in entries:
+        if id(group) not in copies:
+            copies[id(group)] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"
+            }
+    return [(copies[id(group)], p) for group, p in entries]
+
+
+class DecoupledMomentumOptimizer(torch.optim.Optimizer):
+    """Base class of DeMo and DisTrOAdamW; subclasses give ``_momentum_scale`` and ``_update_rule``."""
+
+    # GradScaler hands us grad_scale/found_inf instead of skipping step() on one worker only:
+    # a skipped step would leave the other workers waiting in the collective.
+    _step_supports_amp_scaling = True
+    # group settings that older checkpoints may lack (the subclass fills them in)
+    _optional_group_keys: tuple[str, ...] = ()
+    # what feeds the momentum (``local_steps.py``); a class default because torch's constructor
+    # calls add_param_group, which reads it, before __init__ could set it
+    _source = GRADIENTS
+
+    def __init__(self, params, defaults, comm=None, process_group=None, overlap=False):
+        super().__init__(params, defaults)
+        self.comm = resolve_backend(comm, process_group)
+        self.overlap = bool(overlap)
+        self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
+        self._stacks = MomentumStacks(DCTTransform())
+        self._weight_decay = WeightDecay()
+        self._layouts: dict[tuple, PayloadLayout] = {}
+        self._pending = None  # overlap mode: the collective started last step
+
+    def __getstate__(self):
+        """Refused, naming the supported way. torch's optimizers copy and pickle only defaults,
+        state and param_groups; a copy of this one made that way would lack its backend, transform
+        and momentum buffers and fail at its first step."""
+        raise TypeError(
+            f"{type(self).__name__} cannot be deep-copied or pickled whole (it holds a communication "
+            "backend and per-step buffers): save optimizer.state_dict() and load it into a new "
+            "optimizer with load_state_dict()"
+        )
+
+    def add_param_group(self, param_group) -> None:
+        """As torch's, then the group's own settings are validated like the constructor's, so a bad
+        per-group value fails here rather than silently doing something else at the first step."""
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
+        self._source.add_param_group(self.param_groups[-1])
+
+    def _check_group(self, group) -> None:
+        check_hyperparameters(
+            group["lr"], group["weight_decay"], group["compression_decay"], group["compression_topk"],
+            group["compression_chunk"], group["compression_bits"],
+        )
+
+    def _momentum_scale(self, group) -> float:
+        """The input scale s of ``Delta = beta * Delta + s * DCT(g)`` for this group."""
+        raise NotImplementedError
+
+    def _update_rule(self, group):
+        """The rule (``updates.py``) that applies this group's aggregated direction."""
+        raise NotImplementedError
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _entries(self):
+        """(group, parameter) of every parameter that trains; one with no elements has nothing to
+        send or update (torch's AdamW accepts such parameters too)."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel() > 0]
+
+    def _layout(self, entries) -> PayloadLayout:
+        key = tuple(
+            (tuple(p.shape), g["compression_topk"], g["compression_chunk"], g["compression_bits"])
+            for g, p in entries
+        )
+        if key not in self._layouts:
+            self._layouts[key] = PayloadLayout([param_spec(*k) for k in key])
+        return self._layouts[key]
+
+    @property
+    def payload_layout(self) -> PayloadLayout:
+        """The wire layout of this worker's payload; ``payload_layout.decode(buf)`` validates one."""
+        return self._layout(self._entries())
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes this worker sends per collective (the buffer's size), known before any step."""
+        return self.payload_layout.nbytes
+
+    # -- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.inference_mode():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        entries = self._entries()
+        if not self._source.communicates(self, entries):  # a local step: nothing to send
+            self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
+            return
+        layout = self._layout(entries)
+        parts, news = None, None
+        if self._source.contributes(self):
+            self._stacks.begin_step([st for st in self.state.values() if isinstance(st, dict) and "delta" in st])
+            states = [momentum_state(self.state[p], p) for _, p in entries]
+            unscale = self._source.unscale(self)
+            scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
+            inputs = self._source.inputs(self, entries)
+            parts, news = compress(entries, layout, inputs, states, self._stacks, scales)
+        buf = layout.encode(parts)
+        codec_s = time.perf_counter() - t0
+
+        def commit():  # once every payload of the step is valid: a rejected step changes nothing
+            for (_, p), new in zip(entries, news or []):
+                self.state[p]["delta"] = new
+
+        if self.overlap:  # step t's collective travels while step t+1 computes; its update lands then
+            previous, self._pending = self._pending, None
+
+            def commit_and_send():
+                commit()
+                # the update lands at the next step, but with this step's hyperparameters, as when
+                # blocking: a scheduler stepped in between, or a flush by one rank alone (state_dict),
+                # must not change what any worker applies
+                self._pending = (self.comm.start_all_gather(buf), _with_group_copies(entries), layout)
+
+            if previous is None:
+                commit_and_send()
+                comm_s, apply_s = 0.0, 0.0
+            else:
+                comm_s, apply_s = self._finish(previous, before_apply=commit_and_send)
+        else:
+            pending = (self.comm.start_all_gather(buf), entries, layout)
+            comm_s, apply_s = self._finish(pending, before_apply=commit)
+        self.last_step_timing = {"codec_s": codec_s + apply_s, "comm_s": comm_s}
+
+    def _finish(self, pending, before_apply=None):
+        """Wait for a started collective, validate every payload, then (and only then) write."""
+        handle, entries, layout = pending
+        t0 = time.perf_counter()
+        bufs = handle.wait()
+        t1 = time.perf_counter()
+        decoded = decode_payloads(entries, layout, bufs, self.comm)
+        if before_apply is not None:
+            before_apply()
+        if decoded or not self._source.skips_empty_steps:  # else nobody contributed: skipped alike
+            states = [momentum_state(self.state[p], p) for _, p in entries]
+            apply_update(entries, layout, decoded, states, self._stacks.transform, self._update_rule)
+            self._source.after_update(self, entries)
+        return t1 - t0, time.perf_counter() - t1
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Overlap mode: wait for the last collective and apply its update (a no-op otherwise)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            with torch.inference_mode():
+                self._finish(pending)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self):
+        """As torch's, after ``flush()`` so that no started update is lost from the checkpoint.
+
+        In overlap mode this applies the pending update now rather than at the next step, so a run
+        that saves at step t follows a (slightly) different path than one that does not; resuming
+        from the checkpoint reproduces the saving run exactly. ``delta_layout`` says how the
+        momentum is laid out (``checkpoint.py``); ``optimizer`` names the class: DeMo's momentum is
+        scaled by the lr, DisTrOAdamW's is not, so one cannot resume the other. The local-step mode
+        adds its inner optimizer's state under ``inner``."""
+        self.flush()
+        sd = super().state_dict()
+        sd["delta_layout"] = checkpoint.DELTA_LAYOUT
+        sd["optimizer"] = type(self).__name__
+        inner = self._source.state_dict()
+        if inner is not None:
+            sd["inner"] = inner
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """As torch's, but buffers keep their saved dtype: torch would cast them to the parameter's,
+        and a bf16 model's float32 error-feedback buffer would lose its low bits.
+
+        Everything is checked before anything changes: the optimizer class and mode, every group's
+        settings (a checkpoint of torch's AdamW lacks the compression settings), and each
+        parameter's state (``checkpoint.py``)."""
+        state_dict = dict(state_dict)
+        inner = state_dict.pop("inner", None)
+        self._source.check_state_dict(inner)
+        saved_class = state_dict.pop("optimizer", type(self).__name__)
+        if saved_class != type(self).__name__:
+            raise ValueError(f"checkpoint is of a {saved_class}, not a {type(self).__name__}: it cannot be resumed here")
+        delta_layout = state_dict.pop("delta_layout", None)
+        if delta_layout not in (None, checkpoint.DELTA_LAYOUT, checkpoint.ROWS_LAYOUT):
+            raise ValueError(
+                f"checkpoint has an unknown delta_layout {delta_layout!r} (expected {checkpoint.DELTA_LAYOUT!r})"
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        chunk_target = checkpoint.check_groups(
+            state_dict, self.param_groups, self._optional_group_keys, self._check_group, type(self).__name__
+        )
+        row_deltas = checkpoint.check_param_states(
+            state_dict, params, chunk_target, self.defaults["compression_chunk"], delta_layout
+        )
+        super().load_state_dict(state_dict)
+        self._pending = None  # only once the load succeeded: a refused one keeps the update in flight
+        self._stacks.reset()  # the loaded momentum may be views of these; start from fresh buffers
+        checkpoint.restore_loaded(self.state, state_dict, params, row_deltas)
+        self._source.load_state_dict(inner)
