@@ -22,7 +22,7 @@ class Round:
         self.changed = asyncio.Event()
         self.gather_deadline = self.vote_deadline = self.deadline = 0.0
         self.payloads: dict[str, bytes] = {}
-        self.votes: dict[str, dict[str, str]] = {}
+        self.votes: dict[str, frozenset[bytes]] = {}  # voter -> the payload digests it holds
         self.vote_done: set[str] = set()
         self.no_payload: set[str] = set()  # peers whose payload will not come this round
         self.streams: set[str] = set()
