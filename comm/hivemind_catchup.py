@@ -1,21 +1,22 @@
 """Catching up in the hivemind backend: round logs for peers that fell behind, state for joiners.
 
-``CatchUp`` is a mixin of ``HivemindBackend``. A peer keeps the contributors and payloads of its
-last ``log_rounds`` rounds; a peer that finds a round already finished (or that another voter saw
-more than it did) fetches that round from it. A joining peer downloads a live peer's state, made by
-that peer's ``state_provider`` between two training steps (under ``state_lock``) and sent in the
-safe format of ``hivemind_state`` (nothing received is unpickled).
+A peer keeps the contributors and payloads of its last ``log_rounds`` rounds (in its ``RoundBook``);
+a peer that finds a round already finished (or that another voter saw more than it did) fetches that
+round from it. A joining peer downloads a live peer's state, made by that peer's ``state_provider``
+between two training steps (under ``state_lock``) and sent in the safe format of ``hivemind_state``
+(nothing received is unpickled).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-
-from hivemind.p2p import PeerID
+import threading
 
 from . import hivemind_wire as wire
-from .hivemind_membership import ACTIVE
+from .hivemind_link import StreamLink
+from .hivemind_round import Round, RoundBook
+from .hivemind_settings import Settings
 from .hivemind_state import dump_state, load_state
 
 logger = logging.getLogger(__name__)
@@ -26,22 +27,19 @@ class HivemindBackendError(RuntimeError):
 
 
 class CatchUp:
-    """Round logs and state download (mixin)."""
+    """One backend's round logs and state, served to other peers and fetched from them."""
 
-    def load_state_from_peers(self, prefer=None, timeout_s: float | None = None):
-        """Download a live peer's state (made by its ``state_provider``) and take its step number."""
-        self.membership.refresh()
-        view = self.membership.view()
-        candidates = [
-            p
-            for p in (prefer or view)
-            if p in view and view[p].state == ACTIVE and not view[p].client and self._admissible(p)
-        ]
-        candidates.sort(key=lambda p: -view[p].step)
+    def __init__(self, settings: Settings, book: RoundBook, link: StreamLink, state_lock: threading.RLock):
+        self.settings, self.book, self.link = settings, book, link
+        self.state_lock = state_lock  # the training thread holds it around a step: snapshots are whole
+        self.state_provider = None  # () -> tree of tensors, served to joining peers
+
+    def download_state(self, candidates: list[str], timeout_s: float | None):
+        """The state of the first of ``candidates`` that serves one; this peer takes its step number."""
         errors = []
         for peer in candidates:
             try:
-                blob = self._call(self._fetch_state(peer), timeout_s or self.state_timeout_s)
+                blob = self.link.call(self._fetch_state(peer), timeout_s or self.settings.state_timeout_s)
                 tree = load_state(blob)
                 step = tree.get("step") if isinstance(tree, dict) else None
                 if not isinstance(step, int) or step < 0:
@@ -49,15 +47,14 @@ class CatchUp:
             except Exception as exc:  # noqa: BLE001 - try the next peer
                 errors.append(f"{peer[-8:]}: {type(exc).__name__}: {exc}")
                 continue
-            self._call(self._reset(step), 10)
-            self.out_of_sync = False
+            self.link.call(self._reset(step), 10)
+            self.book.out_of_sync = False
             return tree["state"]
         raise HivemindBackendError(
-            f"no peer of run {self.run_id!r} served its state ({'; '.join(errors) or 'none'})"
+            f"no peer of run {self.settings.run_id!r} served its state ({'; '.join(errors) or 'none'})"
         )
 
-    # ----- catching up: round logs and state ---------------------------------------------------
-    async def _adopt(self, r, peers: list[str]) -> list[tuple[str, bytes]] | None:
+    async def adopt(self, r: Round, peers: list[str]) -> list[tuple[str, bytes]] | None:
         """The contributors (and payloads) another peer applied for this round, from its log."""
         loop = asyncio.get_running_loop()
         for peer in peers:
@@ -71,18 +68,15 @@ class CatchUp:
         return None
 
     async def _fetch_log(self, peer: str, step: int, nbytes: int) -> list[tuple[str, bytes]]:
-        _, reader, writer = await self._p2p.call_binary_stream_handler(
-            PeerID.from_base58(peer), f"distro/{self.run_id}/log"
-        )
+        max_peers = self.settings.max_peers
+        _, reader, writer = await self.link.open(peer, self.settings.protocol("log"))
         try:
             writer.write(wire.LOG_REQUEST.pack(wire.LOG_MAGIC, step))
             if (await reader.readexactly(1))[0] != wire.OK:
                 raise HivemindBackendError(f"peer has no log of step {step}")
-            header = await wire.read_frame(
-                reader, wire.U32, wire.MAX_LOG_ENTRY_NBYTES * self.max_peers, "log"
-            )
+            header = await wire.read_frame(reader, wire.U32, wire.MAX_LOG_ENTRY_NBYTES * max_peers, "log")
             peers = wire.decode_log(header, step)
-            if not peers or len(peers) > self.max_peers:
+            if not peers or len(peers) > max_peers:
                 raise HivemindBackendError("log has no or too many contributors")
             out = [(p, await reader.readexactly(nbytes)) for p in sorted(peers)]
             if any(wire.digest(p, b) != peers[p] for p, b in out):
@@ -91,15 +85,16 @@ class CatchUp:
         finally:
             writer.close()
 
-    async def _on_log(self, info, reader, writer) -> None:
+    async def on_log(self, info, reader, writer) -> None:
+        """The handler of a log stream: a peer asks what this one applied at a step."""
         try:
             magic, step = wire.LOG_REQUEST.unpack(
                 await asyncio.wait_for(reader.readexactly(wire.LOG_REQUEST.size), 5)
             )
-            r = self._rounds.get(step)
+            r = self.book.rounds.get(step)
             if magic == wire.LOG_MAGIC and r is not None and r.own_ready.is_set():
-                await asyncio.wait_for(r.finished.wait(), self.step_timeout_s)
-            entries = self._log.get(step) if magic == wire.LOG_MAGIC else None
+                await asyncio.wait_for(r.finished.wait(), self.settings.step_timeout_s)
+            entries = self.book.log.get(step) if magic == wire.LOG_MAGIC else None
             if not entries:
                 writer.write(bytes([wire.MISSING]))
                 return
@@ -109,51 +104,44 @@ class CatchUp:
             )
             for _, b in entries:
                 writer.write(b)
-            await asyncio.wait_for(writer.drain(), self.step_timeout_s)
+            await asyncio.wait_for(writer.drain(), self.settings.step_timeout_s)
         except Exception as exc:  # noqa: BLE001
             logger.debug("log request failed: %s", exc)
         finally:
             writer.close()
 
     def _snapshot(self) -> bytes:
-        if not self.state_lock.acquire(timeout=self.state_timeout_s):
+        if not self.state_lock.acquire(timeout=self.settings.state_timeout_s):
             raise HivemindBackendError("training step held the state lock too long")
         try:
-            return dump_state({"step": self._low, "state": self.state_provider()})
+            return dump_state({"step": self.book.low, "state": self.state_provider()})
         finally:
             self.state_lock.release()
 
-    async def _on_state(self, info, reader, writer) -> None:
+    async def on_state(self, info, reader, writer) -> None:
+        """The handler of a state stream: a joining peer asks for this one's state."""
         try:
             magic = await asyncio.wait_for(reader.readexactly(len(wire.STATE_MAGIC)), 5)
-            if magic != wire.STATE_MAGIC or self.state_provider is None or self.out_of_sync:
+            if magic != wire.STATE_MAGIC or self.state_provider is None or self.book.out_of_sync:
                 writer.write(bytes([wire.MISSING]))
                 return
             blob = await asyncio.to_thread(self._snapshot)
             writer.write(bytes([wire.OK]))
-            await asyncio.wait_for(wire.write_frame(writer, wire.U64, blob), self.state_timeout_s)
+            await asyncio.wait_for(wire.write_frame(writer, wire.U64, blob), self.settings.state_timeout_s)
         except Exception as exc:  # noqa: BLE001
             logger.debug("state request failed: %s", exc)
         finally:
             writer.close()
 
     async def _fetch_state(self, peer: str) -> bytes:
-        _, reader, writer = await self._p2p.call_binary_stream_handler(
-            PeerID.from_base58(peer), f"distro/{self.run_id}/state"
-        )
+        _, reader, writer = await self.link.open(peer, self.settings.protocol("state"))
         try:
             writer.write(wire.STATE_MAGIC)
             if (await reader.readexactly(1))[0] != wire.OK:
                 raise HivemindBackendError("peer does not serve state")
-            return await wire.read_frame(reader, wire.U64, self.max_state_nbytes, "state")
+            return await wire.read_frame(reader, wire.U64, self.settings.max_state_nbytes, "state")
         finally:
             writer.close()
 
     async def _reset(self, step: int) -> None:
-        for r in self._rounds.values():
-            for t in r.tasks:
-                t.cancel()
-        self._rounds.clear()
-        self._finished.clear()
-        self._log.clear()
-        self._low = self._next = step
+        self.book.reset(step)  # on the event loop, which owns the rounds

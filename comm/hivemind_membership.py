@@ -3,7 +3,9 @@
 Every peer stores a record under the key ``"{run_id}.peers"`` with its peer id as subkey and a short
 expiry (``ttl_s``), refreshed every ``heartbeat_s``: a crashed peer drops out of every view within
 ``ttl_s``; a peer that leaves cleanly overwrites its record with ``state="left"`` first.
-Replica checksums live under ``"{run_id}.checksum.{step}"``, one subkey per peer.
+Replica checksums live under ``"{run_id}.checksum.{step}"``, one subkey per peer. The view answers
+the backend's questions about the others: are enough peers here to start, who can serve state, does
+this peer's checksum agree with the majority's.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
@@ -88,6 +91,32 @@ class Membership:
         if self._thread.is_alive():
             self._thread.join(timeout=self.dht_timeout_s + self.heartbeat_s)
 
+    def wait_for_active(self, n: int, timeout_s: float) -> int:
+        """Announce this peer active, then block until ``n`` other active peers are in the view (or
+        ``timeout_s``); return how many are."""
+        self.state = ACTIVE
+        self.beat()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.refresh()
+            count = sum(rec.state == ACTIVE for rec in self.view().values())
+            if count >= n or time.monotonic() >= deadline:
+                return count
+            time.sleep(0.2)
+
+    def state_servers(self, prefer, admits) -> list[str]:
+        """The active server peers of a fresh view (only those of ``prefer``, if given) that
+        ``admits(peer)`` accepts, the most advanced first: the peers to download state from."""
+        self.refresh()
+        view = self.view()
+        candidates = [
+            p
+            for p in (prefer or view)
+            if p in view and view[p].state == ACTIVE and not view[p].client and admits(p)
+        ]
+        candidates.sort(key=lambda p: -view[p].step)
+        return candidates
+
     def publish_checksum(self, step: int, checksum: str) -> None:
         key = f"{self.run_id}.checksum.{int(step)}"
         self._call(self.dht.store, key, str(checksum), get_dht_time() + 10 * self.ttl_s, subkey=self.peer_id)
@@ -97,6 +126,14 @@ class Membership:
         if found is None or not isinstance(found.value, dict):
             return {}
         return {str(p): v.value for p, v in found.value.items() if isinstance(getattr(v, "value", None), str)}
+
+    def compare_checksum(self, step: int, checksum: str) -> list[str] | None:
+        """``None`` when this peer's ``checksum`` agrees with the majority of the reports for ``step``
+        (or there is none); else the majority's peers."""
+        reports = self.checksums(step)
+        reports[self.peer_id] = checksum
+        value, holders = majority(reports)
+        return None if value is None or value == checksum else holders
 
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

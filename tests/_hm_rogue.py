@@ -70,7 +70,7 @@ def garbage(mode: str, good: torch.Tensor, layout: PayloadLayout, rng: torch.Gen
 
 async def flood(backend, peer: str, step: int, nbytes: int) -> str:
     """Open a gather stream with a valid hello, then claim a 1 GiB payload and keep writing."""
-    _, reader, writer = await backend._p2p.call_binary_stream_handler(
+    _, reader, writer = await backend._link.p2p.call_binary_stream_handler(
         PeerID.from_base58(peer), f"distro/{backend.run_id}/gather"
     )
     try:
@@ -103,7 +103,9 @@ def main() -> int:
             mode = MODES[step % len(MODES)]
             if mode == "oversized":
                 honest = list(backend.membership.view())
-                results = [backend._call(flood(backend, p, backend.step, good.numel()), 30) for p in honest]
+                results = [
+                    backend._link.call(flood(backend, p, backend.step, good.numel()), 30) for p in honest
+                ]
                 print(f"rogue oversized {results}", flush=True)
             backend.all_gather(garbage(mode, good, layout, rng) if mode != "oversized" else good)
             print(f"rogue step {step} sent {mode}", flush=True)

@@ -74,7 +74,7 @@ def test_late_peer_applies_the_set_the_others_applied(dhts):
 
 def raw_gather_stream(sender, receiver):
     """A gather stream opened by hand from ``sender``'s p2p client to ``receiver`` (for misbehaving)."""
-    return sender._p2p.call_binary_stream_handler(
+    return sender._link.p2p.call_binary_stream_handler(
         PeerID.from_base58(receiver.peer_id), f"distro/{receiver.run_id}/gather"
     )
 
@@ -93,10 +93,10 @@ def test_wrong_size_payload_is_refused_and_its_sender_excluded(dhts):
             target=lambda: outcome.update(result=gather([(a, filled(1))])[0][0]), daemon=True
         )
         thread.start()
-        b._call(announce_wrong_size(), 10)
+        b._link.call(announce_wrong_size(), 10)
         thread.join(3 * STEP_TIMEOUT_S)
         assert outcome["status"] == wire.BAD_SIZE
-        assert b.peer_id in a._excluded
+        assert b.peer_id in a._admission.excluded
         assert firsts(outcome["result"]) == [1]
 
 
@@ -126,11 +126,11 @@ def test_oversized_frame_is_refused_without_being_read(dhts):
 
         thread = threading.Thread(target=lambda: gather([(a, filled(1))]), daemon=True)
         thread.start()
-        b._call(flood(), 30)
+        b._link.call(flood(), 30)
         thread.join(3 * STEP_TIMEOUT_S)
         assert outcome["status"] == wire.OK
         assert outcome["end"] != "accepted"
-        assert b.peer_id in a._excluded
+        assert b.peer_id in a._admission.excluded
         assert a.stats.bytes_received < 1 << 16
 
 
@@ -224,7 +224,7 @@ def test_a_rejected_stream_counts_its_hello_and_status_on_the_receiving_side(dht
             return status
 
         sent, received = a.stats.bytes_sent, a.stats.bytes_received
-        assert b._call(hello_far_ahead(), 10) == wire.REJECTED
+        assert b._link.call(hello_far_ahead(), 10) == wire.REJECTED
         assert a.stats.bytes_received - received == wire.HELLO.size
         assert a.stats.bytes_sent - sent == 1
 
@@ -238,7 +238,7 @@ def test_exclusions_from_the_training_thread_and_the_event_loop_do_not_race(dhts
         async def exclude_on_the_loop():  # what a bad payload does, on the backend's event loop
             i = 0
             while time.monotonic() < stop:
-                a._exclude(f"loop{i}", "bad size")
+                a._admission.exclude(f"loop{i}", "bad size")
                 i += 1
                 if i % 100 == 0:
                     await asyncio.sleep(0)
@@ -246,7 +246,7 @@ def test_exclusions_from_the_training_thread_and_the_event_loop_do_not_race(dhts
         switch = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)  # switch threads often: make the race show within a second
         try:
-            future = asyncio.run_coroutine_threadsafe(exclude_on_the_loop(), a._loop)
+            future = asyncio.run_coroutine_threadsafe(exclude_on_the_loop(), a._link.loop)
             i = 0
             while time.monotonic() < stop:
                 try:

@@ -1,0 +1,39 @@
+"""Which peers the hivemind backend takes payloads from: those on its allow list, if it has one, and
+not excluded.
+
+A peer is excluded for ``exclude_s`` when its payload had the wrong size, failed the program's
+payload validator, or was reported invalid by the optimizer after the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """The allow list (``None``: every peer) and the live exclusions of one backend."""
+
+    def __init__(self, allow_peers, exclude_s: float):
+        self.allow_peers = None if allow_peers is None else {str(p) for p in allow_peers}
+        self.exclude_s = exclude_s
+        self.excluded: dict[str, float] = {}  # peer id -> time.monotonic() at which its exclusion ends
+        # report_invalid excludes from the training thread, bad streams from the event loop
+        self._lock = threading.Lock()
+
+    def admits(self, peer: str) -> bool:
+        if self.allow_peers is not None and peer not in self.allow_peers:
+            return False
+        with self._lock:
+            return self.excluded.get(peer, 0.0) <= time.monotonic()
+
+    def exclude(self, peer: str, why: str) -> None:
+        logger.warning("excluding peer %s for %.0f s: %s", peer, self.exclude_s, why)
+        with self._lock:
+            now = time.monotonic()
+            for old in [p for p, until in self.excluded.items() if until <= now]:
+                del self.excluded[old]  # strangers can mint identities: keep only live exclusions
+            self.excluded[peer] = now + self.exclude_s

@@ -1,0 +1,131 @@
+"""One round of the hivemind backend, phase by phase: gather, agree, and (rarely) adopt.
+
+``hivemind_backend``'s module docstring describes the phases; here they are in order, in
+``RoundRunner._phases``. The streams that move the bytes are ``GatherStreams``; adopting another
+peer's result goes through ``CatchUp``; the rule that turns votes into contributors is
+``hivemind_wire.agree``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from . import hivemind_wire as wire
+from .base import CommStats
+from .hivemind_admission import Admission
+from .hivemind_catchup import CatchUp
+from .hivemind_membership import ACTIVE, Membership
+from .hivemind_round import Round, RoundBook
+from .hivemind_settings import VOTE_FRACTION, Settings
+from .hivemind_streams import GatherStreams
+
+logger = logging.getLogger(__name__)
+
+
+class RoundRunner:
+    """Runs this peer's rounds on the backend's event loop (``loop``), one coroutine per step."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        peer_id: str,
+        *,
+        book: RoundBook,
+        admission: Admission,
+        membership: Membership,
+        streams: GatherStreams,
+        catchup: CatchUp,
+        stats: CommStats,
+        loop: asyncio.AbstractEventLoop,
+    ):
+        self.settings, self.peer_id = settings, peer_id
+        self.book, self.admission, self.membership = book, admission, membership
+        self.streams, self.catchup, self.stats, self.loop = streams, catchup, stats, loop
+
+    async def run(self, step: int, payload: bytes) -> list[tuple[str, bytes]]:
+        """Round ``step`` with our ``payload``: the (peer, payload) pairs to apply, sorted by peer id."""
+        r = self.book.round(step)
+        try:
+            return await self._phases(r, payload)
+        finally:
+            if not r.finished.is_set():  # cancelled or failed: still close the round, or it blocks the log
+                self._finish(r, [])
+
+    async def _phases(self, r: Round, payload: bytes) -> list[tuple[str, bytes]]:
+        settings, step, now = self.settings, r.step, self.loop.time()
+        r.gather_deadline = now + settings.gather_fraction * settings.step_timeout_s
+        r.vote_deadline = now + VOTE_FRACTION * settings.step_timeout_s
+        r.deadline = now + settings.step_timeout_s
+        r.own = payload
+        r.own_ready.set()
+
+        # 1. gather: push to every active peer we admit, collect theirs until the gather deadline
+        view = {
+            p: rec
+            for p, rec in self.membership.view().items()
+            if rec.state == ACTIVE and self.admission.admits(p)
+        }
+        expected = {p for p, rec in view.items() if not (settings.client_mode and rec.client)}
+        for p in expected:
+            if not view[p].client and p not in r.pushed:  # it may have contacted us first
+                self.streams.spawn_push(r, p)
+
+        def gathered():
+            # every peer's payload is here or will not come, and ours reached every peer we push to
+            return all(p in r.payloads or p in r.no_payload for p in expected | r.streams) and all(
+                p in r.push_over for p in r.pushed
+            )
+
+        await r.wait_until(gathered, r.gather_deadline)
+        late = sorted(p for p in r.late if self.admission.admits(p))
+        if not r.payloads and late:
+            # everyone we reached has finished this step already: we are behind, take their result
+            result = await self.catchup.adopt(r, late)
+            if result is None:
+                logger.warning(
+                    "step %d finished without this peer and no peer served its log: out of sync", step
+                )
+                self.book.out_of_sync = True
+            return self._finish(r, result or [])
+
+        # 2. agree: vote the digests we hold to every peer whose payload we hold, wait for their votes
+        held = {p: wire.digest(p, b) for p, b in [(self.peer_id, payload), *r.payloads.items()]}
+        r.my_vote = wire.encode_vote(step, held.values())
+        r.phase1.set()
+        await r.wait_until(lambda: all(p in r.vote_done for p in r.payloads), r.vote_deadline)
+        votes = {p: v for p, v in r.votes.items() if p in r.payloads}
+        agreed = wire.agree(held, votes)
+        result = [(p, payload if p == self.peer_id else r.payloads[p]) for p in agreed]
+
+        # 3. adopt: a voter that holds payloads we never received counted votes we could not see:
+        # its contributor set is the better-informed one, so apply that (see hivemind_wire.agree)
+        informed = wire.better_informed(held, votes)
+        if informed:
+            adopted = await self.catchup.adopt(r, informed)
+            if adopted is None:
+                logger.warning("step %d: could not adopt a better-informed peer's contributors", step)
+            result = adopted if adopted is not None else result
+        logger.debug(
+            "step %d held %s, votes of %s -> %s",
+            step,
+            _short(held),
+            _short(votes),
+            [_short1(p) for p, _ in result],
+        )
+        return self._finish(r, result)
+
+    def _finish(self, r: Round, result):
+        self.book.finish(r, result)
+        # give votes in flight a moment to leave, then drop whatever still waits on this round
+        self.loop.call_later(1.0, lambda: [t.cancel() for t in r.tasks])
+        self.stats.record(0, 0)  # one more collective; its bytes were counted as they crossed
+        return result
+
+
+def _short1(peer: str) -> str:
+    return peer[-6:]
+
+
+def _short(held: dict) -> list[str]:
+    return sorted(_short1(p) for p in held)
