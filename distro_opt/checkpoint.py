@@ -12,6 +12,7 @@ import math
 import torch
 
 from .dct import chunk_shape, own_layout_is_chunk_major, unchunk
+from .shards import is_sharded, local
 
 DELTA_LAYOUT = "tensor"
 ROWS_LAYOUT = "chunk rows"
@@ -71,7 +72,12 @@ def check_param_states(state_dict, params, chunk_target, default_chunk, delta_la
         chunk = chunk_shape(tuple(p.shape), chunk_target.get(index, default_chunk))
         rows = (p.numel() // math.prod(chunk), math.prod(chunk))
         shape = tuple(delta.shape)
-        as_rows = shape == rows if delta_layout is None else delta_layout == ROWS_LAYOUT
+        if is_sharded(p):  # rows are a layout of plain tensors' checkpoints only
+            if delta_layout == ROWS_LAYOUT:
+                raise ValueError(f"checkpoint's delta for sharded parameter {index} is in the {ROWS_LAYOUT!r} layout")
+            as_rows = False
+        else:
+            as_rows = shape == rows if delta_layout is None else delta_layout == ROWS_LAYOUT
         expected = rows if as_rows else tuple(p.shape)
         if shape != expected:
             raise ValueError(
@@ -91,6 +97,7 @@ def _check_tensor(index, key, value, p) -> None:
         raise ValueError(f"checkpoint's {key} of parameter {index} is not a floating-point tensor")
     if key != "delta" and tuple(value.shape) != tuple(p.shape):  # delta's layouts: check_param_states
         raise ValueError(f"checkpoint's {key} of parameter {index} is not a tensor of its shape {tuple(p.shape)}")
+    value = local(value)  # a shard's values: this rank checks its own, with no collective
     if not bool(torch.isfinite(value).all()):
         raise ValueError(f"checkpoint's {key} of parameter {index} holds non-finite values")
     if key.endswith("exp_avg_sq") and bool((value < 0).any()):

@@ -42,11 +42,11 @@ class MomentumStacks:
         """Forget the buffers (after loading a state: its tensors may be views of them)."""
         self._pairs = {}
 
-    def begin_step(self, states) -> None:
-        """Note the storage of every momentum in ``states`` (all of the optimizer's, the frozen
+    def begin_step(self, deltas) -> None:
+        """Note the storage of every momentum in ``deltas`` (all of the optimizer's, the frozen
         parameters' included): after the layout changes (a parameter frozen or unfrozen), segment
         ``j``'s buffers may back other parameters' momentum, and must not be written."""
-        self._in_use = {st["delta"].untyped_storage().data_ptr() for st in states}
+        self._in_use = {d.untyped_storage().data_ptr() for d in deltas}
 
     def open(self, layout, j, seg, deltas):
         """Segment ``j``'s buffers for this step: (the committed momentum as one flat tensor, the

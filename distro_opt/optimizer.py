@@ -19,7 +19,7 @@ import torch
 
 from distro_opt.comm import resolve_backend
 
-from . import checkpoint
+from . import checkpoint, shards
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
 from .step import apply_update, compress, decode_payloads, momentum_state
@@ -117,11 +117,14 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _entries(self):
         """(group, parameter) of every parameter that trains; one with no elements has nothing to
         send or update (torch's AdamW accepts such parameters too)."""
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad and p.numel() > 0]
+        return [
+            (g, p) for g in self.param_groups for p in g["params"] if p.requires_grad and shards.local(p).numel() > 0
+        ]
 
     def _layout(self, entries) -> PayloadLayout:
+        """The payload layout of ``entries``, by each one's local shape (a DTensor's shard)."""
         key = tuple(
-            (tuple(p.shape), g["compression_topk"], g["compression_chunk"], g["compression_bits"])
+            (tuple(shards.local(p).shape), g["compression_topk"], g["compression_chunk"], g["compression_bits"])
             for g, p in entries
         )
         if key not in self._layouts:
@@ -158,18 +161,21 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         layout = self._layout(entries)
         parts, news = None, None
         if self._source.contributes(self):
-            self._stacks.begin_step([st for st in self.state.values() if isinstance(st, dict) and "delta" in st])
-            states = [momentum_state(self.state[p], p) for _, p in entries]
+            self._stacks.begin_step([
+                shards.local(st["delta"]) for st in self.state.values() if isinstance(st, dict) and "delta" in st
+            ])
+            work, states = self._local_work(entries)
             unscale = self._source.unscale(self)
             scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
-            inputs = self._source.inputs(self, entries)
-            parts, news = compress(entries, layout, inputs, states, self._stacks, scales)
+            inputs = [shards.local(x) for x in self._source.inputs(self, entries)]
+            parts, news = compress(work, layout, inputs, states.dicts, self._stacks, scales)
+            states.write_back()
         buf = layout.encode(parts)
         codec_s = time.perf_counter() - t0
 
         def commit():  # once every payload of the step is valid: a rejected step changes nothing
             for (_, p), new in zip(entries, news or []):
-                self.state[p]["delta"] = new
+                self.state[p]["delta"] = shards.like_param(new, p)
 
         if self.overlap:  # step t's collective travels while step t+1 computes; its update lands then
             previous, self._pending = self._pending, None
@@ -201,10 +207,20 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         if before_apply is not None:
             before_apply()
         if decoded or not self._source.skips_empty_steps:  # else nobody contributed: skipped alike
-            states = [momentum_state(self.state[p], p) for _, p in entries]
-            apply_update(entries, layout, decoded, states, self._stacks.transform, self._update_rule)
+            work, states = self._local_work(entries)
+            apply_update(work, layout, decoded, states.dicts, self._stacks.transform, self._update_rule)
+            states.write_back()
             self._source.after_update(self, entries)
         return t1 - t0, time.perf_counter() - t1
+
+    def _local_work(self, entries):
+        """The step's view of ``entries``: (group, local tensor) pairs, and their states with the
+        momentum created where missing (``shards.LocalStates``; plain parameters are their own)."""
+        work = [(g, shards.local(p)) for g, p in entries]
+        states = shards.LocalStates(self.state, [p for _, p in entries])
+        for state, (_, p) in zip(states.dicts, work):
+            momentum_state(state, p)
+        return work, states
 
     @torch.no_grad()
     def flush(self) -> None:

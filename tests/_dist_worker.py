@@ -157,6 +157,115 @@ def scenario_cuda_raw(rank, world_size, args):
     }
 
 
+# -- FSDP2 / DTensor: a 2 x 2 mesh, sharded within a row, distro-opt across rows ---------------------
+FSDP_DIMS = (128, 256, 128)  # every local shard's rows a multiple of 64: the chunks match the unsharded run
+
+
+def _fsdp_model():
+    torch.manual_seed(0)
+    a, b, c = FSDP_DIMS
+    return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.Tanh(), torch.nn.Linear(b, c))
+
+
+def _replica_batch(step, replica):
+    """The batch of data-parallel replica ``replica`` at ``step`` (8 rows): the same in both runs."""
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    x = torch.randn(8, FSDP_DIMS[0], generator=g)
+    return x, torch.tanh(x.flip(1))
+
+
+def _optimizer(params, comm, args):
+    from distro_opt import DisTrOAdamW
+
+    sync_every = int(args[1]) if len(args) > 1 else 1
+    return DisTrOAdamW(params, lr=0.01, comm=comm, sync_every=sync_every, compression_topk=8)
+
+
+def _fsdp_setup(args):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _fsdp_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    replica, shard = mesh.get_coordinate()
+    return model, _optimizer(model.parameters(), mesh["replicate"].get_group(), args), replica, shard
+
+
+def _fsdp_train(model, opt, replica, shard, steps, first=0):
+    losses = []
+    for t in range(first, first + steps):
+        x, y = _replica_batch(t, replica)
+        rows = slice(4 * shard, 4 * shard + 4)  # this shard rank's half of its replica's batch
+        loss = torch.nn.functional.mse_loss(model(x[rows]), y[rows])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model):
+    from distro_opt.shards import is_sharded
+
+    with torch.no_grad():
+        return [(p.full_tensor() if is_sharded(p) else p).detach().clone() for p in model.parameters()]
+
+
+def scenario_fsdp_hybrid(rank, world_size, args):
+    """FSDP2 over the mesh's shard dimension, DisTrOAdamW over its replicate dimension."""
+    model, opt, replica, shard = _fsdp_setup(args)
+    losses = _fsdp_train(model, opt, replica, shard, int(args[0]))
+    return {
+        "replica": replica, "shard": shard, "losses": losses, "full": _full(model),
+        "local": [p.to_local().detach().clone() for p in model.parameters()],
+        "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
+        "payload_nbytes": opt.payload_nbytes, "bytes_sent": opt.comm.stats.bytes_sent,
+        "steps": opt.comm.stats.steps, "world_size": opt.comm.world_size,
+        "state_types": sorted({type(v).__name__ for st in opt.state.values() if isinstance(st, dict)
+                               for v in st.values()}),
+    }
+
+
+def scenario_plain_replicas(rank, world_size, args):
+    """The unsharded reference: one process per replica, each on its replica's whole batch."""
+    model = _fsdp_model()
+    opt = _optimizer(model.parameters(), None, args)
+    losses = []
+    for t in range(int(args[0])):
+        x, y = _replica_batch(t, rank)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "full": _full(model), "payload_nbytes": opt.payload_nbytes}
+
+
+def scenario_fsdp_dcp(rank, world_size, args):
+    """Train, save through torch.distributed.checkpoint, train on; a fresh model and optimizer
+    loaded from the checkpoint must take the same steps bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = os.path.join(args[2], "dcp")
+    model, opt, replica, shard = _fsdp_setup(args)
+    _fsdp_train(model, opt, replica, shard, 3)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _fsdp_train(model, opt, replica, shard, 3, first=3)
+    continued = _full(model)
+    fresh, fresh_opt, _, _ = _fsdp_setup(args)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    _fsdp_train(fresh, fresh_opt, replica, shard, 3, first=3)
+    return {"continued": continued, "resumed": _full(fresh)}
+
+
 SCENARIOS = {
     "cuda_raw": scenario_cuda_raw,
     "mismatch": scenario_mismatch,
@@ -166,6 +275,9 @@ SCENARIOS = {
     "dead_peer": scenario_dead_peer,
     "killed": scenario_killed,
     "train": scenario_train,
+    "fsdp_hybrid": scenario_fsdp_hybrid,
+    "plain_replicas": scenario_plain_replicas,
+    "fsdp_dcp": scenario_fsdp_dcp,
 }
 
 

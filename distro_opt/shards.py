@@ -1,0 +1,60 @@
+"""Sharded parameters (DTensor, as FSDP2's ``fully_shard`` makes them): the step works on each rank's
+local shard.
+
+Inside a node a model may be sharded (FSDP2 over the mesh's shard dimension); between nodes the
+optimizer exchanges payloads over the group it is given (the mesh's replicate dimension). Every rank
+of that group holds the same shard of each parameter, so chunking, top-k and the payload are per
+local shard, and replicas of one shard stay identical. The state is kept as torch's optimizers keep
+it for DTensor parameters: each parameter-shaped state tensor is a DTensor with the parameter's mesh
+and placements (torch.distributed.checkpoint saves and reshards those), whose local tensor is what
+the step reads and writes. Plain tensors pass through untouched.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch without torch.distributed
+    DTensor = None
+
+
+def is_sharded(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t):
+    """A DTensor's local shard (the tensor itself, so in-place updates reach the DTensor); anything
+    else as it is."""
+    return t._local_tensor if is_sharded(t) else t
+
+
+def like_param(value: torch.Tensor, p) -> torch.Tensor:
+    """``value`` (of ``p``'s local shape) as a DTensor laid out like ``p``; itself for a plain ``p``."""
+    if not is_sharded(p):
+        return value
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class LocalStates:
+    """Each entry's state as the step reads and writes it: the optimizer's own ``state[p]`` dict for a
+    plain parameter; for a DTensor one, a dict of the local tensors, whose new or replaced entries
+    ``write_back`` stores as DTensors laid out like the parameter."""
+
+    def __init__(self, opt_state, params):
+        self._opt_state, self._params = opt_state, params
+        self.dicts = [
+            {k: local(v) for k, v in opt_state[p].items()} if is_sharded(p) else opt_state[p] for p in params
+        ]
+
+    def write_back(self) -> None:
+        for p, work in zip(self._params, self.dicts):
+            if not is_sharded(p):
+                continue
+            state = self._opt_state[p]
+            shape = p._local_tensor.shape
+            for key, value in work.items():
+                if key in state and local(state[key]) is value:
+                    continue
+                param_shaped = torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
+                state[key] = like_param(value, p) if param_shaped else value
