@@ -1,8 +1,9 @@
-"""The small classifier, its batches and its training loop that the optimizer tests share.
+"""The small models the tests train, and what the optimizer tests train them on.
 
-Every draw is seeded (the model by ``seed`` through torch's global RNG, each batch by its own
-generator from ``rank`` and ``step``), so two runs that take the same steps end bit-identical,
-which the tests check with ``torch.equal``."""
+The classifier, its batches and its training loop: every draw is seeded (the model by ``seed``
+through torch's global RNG, each batch by its own generator from ``rank`` and ``step``), so two
+runs that take the same steps end bit-identical, which the tests check with ``torch.equal``. The
+experiment runner's smallest transformer is given as the command-line flags that select it."""
 import torch
 
 from distro_opt import DeMo, DisTrOAdamW
@@ -30,3 +31,6 @@ def train(model, opt, steps, rank=0, start=0):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
+
+# the experiment runner's smallest transformer, as its command-line flags
+TINY_TRANSFORMER_FLAGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--d-ff", "64"]
