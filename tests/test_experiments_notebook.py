@@ -8,6 +8,8 @@ from nbclient import NotebookClient
 
 from distro_opt.experiments import data, run
 
+from _models import TINY_TRANSFORMER_FLAGS
+
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "bandwidth_vs_loss.ipynb"
 
 
@@ -31,14 +33,7 @@ def test_notebook_shows_the_table_and_plots_of_a_run(tmp_path, monkeypatch):
         "byte",
         "--workers",
         "2",
-        "--n-layers",
-        "1",
-        "--d-model",
-        "32",
-        "--n-heads",
-        "2",
-        "--d-ff",
-        "64",
+        *TINY_TRANSFORMER_FLAGS,
         "--seq-len",
         "16",
         "--batch-size",

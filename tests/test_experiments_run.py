@@ -9,20 +9,20 @@ import sys
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from distro_opt import DisTrOAdamW
 from distro_opt.comm import CommStats, SingleWorkerBackend
 from distro_opt.comm.torch_backend import DESCRIPTOR_BYTES
-from distro_opt.experiments import data, run
+from distro_opt.experiments import run
 from distro_opt.experiments.arms import parse_arms
 from distro_opt.experiments.metrics import read_metrics
 from distro_opt.experiments.model import build_model
 from distro_opt.experiments.process_group import one_machine_env
 from distro_opt.experiments.presets import get_preset
 
+from _models import TINY_TRANSFORMER_FLAGS
 from _procs import wait_all
 
 COMPARED = (
@@ -36,19 +36,6 @@ COMPARED = (
     "cum_received_bytes",
     "collectives",
 )
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small byte-level corpus in its own cache: offline and fast."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["thou", "art", "king", "lear", "to", "be", "or", "not", "love", "night", "the", "and"]
-    folder = root / "texts"
-    folder.mkdir()
-    (folder / "play.txt").write_text(" ".join(words[i] for i in rng.integers(0, len(words), size=20_000)))
-    data.prepare(str(folder), "byte", cache=root / "cache")
-    return folder, root / "cache"
 
 
 def tiny_args(corpus, out, steps=12, extra=()):
@@ -68,14 +55,7 @@ def tiny_args(corpus, out, steps=12, extra=()):
         str(folder),
         "--tokenizer",
         "byte",
-        "--n-layers",
-        "1",
-        "--d-model",
-        "32",
-        "--n-heads",
-        "2",
-        "--d-ff",
-        "64",
+        *TINY_TRANSFORMER_FLAGS,
         "--seq-len",
         "32",
         "--batch-size",

@@ -1,4 +1,5 @@
 """DisTrOAdamW's local-step mode (sync_every=H): H local steps, one collective, error feedback kept."""
+import functools
 import io
 import warnings
 
@@ -8,18 +9,18 @@ import torch
 from distro_opt import DCTTransform, DisTrOAdamW
 from distro_opt.comm import InProcessBackend
 
+import _models
+from _models import batch
+
 H = 4
 
 
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+make_model = functools.partial(_models.make_model, width=64)
 
 
 def step(model, opt, t, rank=0, scaler=None, inf=False):
     """One training step, under ``scaler`` (a GradScaler) if given; ``inf``: a gradient overflowed."""
-    g = torch.Generator().manual_seed(1000 * rank + t)
-    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    x, y = batch(t, rank)
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(x), y)
     (loss if scaler is None else scaler.scale(loss)).backward()

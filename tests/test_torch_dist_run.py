@@ -11,32 +11,17 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-import pytest
-
-from distro_opt.experiments import data
 from distro_opt.experiments.process_group import one_machine_env
 
+from _models import TINY_TRANSFORMER_FLAGS
 from _procs import wait_all
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small byte-level corpus in its own cache: offline and fast."""
-    root = tmp_path_factory.mktemp("corpus")
-    words = ["thou", "art", "king", "lear", "to", "be", "or", "not", "love", "night", "the", "and"]
-    (root / "texts").mkdir()
-    rng = np.random.default_rng(0)
-    (root / "texts" / "play.txt").write_text(" ".join(words[i] for i in rng.integers(0, len(words), 20_000)))
-    data.prepare(str(root / "texts"), "byte", cache=root / "cache")
-    return root / "texts", root / "cache"
 
 
 def run_args(corpus, out, cache=None, steps=4, arms="distro"):
     folder, prepared = corpus
     return ["--preset", "smoke", "--arms", arms, "--workers", "2", "--out", out,
             "--cache", cache or prepared, "--corpus", folder, "--tokenizer", "byte",
-            "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--d-ff", "64", "--seq-len", "32",
+            *TINY_TRANSFORMER_FLAGS, "--seq-len", "32",
             "--batch-size", "2", "--steps", steps, "--warmup-steps", "1", "--eval-every", "1000",
             "--eval-batches", "1", "--eval-batch-size", "2", "--checkpoint-every", "1000",
             "--no-progress", "--no-plots", "--timeout-s", "20"]

@@ -1,7 +1,10 @@
-"""Per-row top-k by magnitude agrees with torch.topk on |x|, on both of its paths."""
+"""Fast paths held to the plain computation they stand in for: the grouped top-k against
+torch.topk on |x|, and run peaks taken during the transform against a separate pass. These tests
+reach the library's internal modules (topk, transform, momentum) by name."""
 import pytest
 import torch
 
+from distro_opt import DisTrOAdamW
 from distro_opt.topk import largest_indices, topk_abs_in_runs, topk_abs_indices, uses_groups
 from distro_opt.transform import DCTTransform
 
@@ -57,3 +60,29 @@ def test_largest_indices_is_a_top_k(n, k):
     values = x.gather(1, got).nan_to_num(nan=4.0, posinf=3.0).sort(dim=1).values  # NaN ranks first
     reference = x.nan_to_num(nan=4.0, posinf=3.0).topk(k, dim=1).values.sort(dim=1).values
     assert torch.equal(values, reference)
+
+
+def test_run_peaks_taken_during_the_transform_select_what_a_separate_pass_selects(monkeypatch):
+    """On the CPU in float32 the forward transform hands the top-k each run's peak, taken from cache
+    (``DCTTransform.accumulate(peaks=...)``). The steps must be bit-identical to ones where the top-k
+    computes the peaks itself, over matrices that share slabs and one that spans several."""
+    from distro_opt.momentum import MomentumStacks
+
+    def run(with_peaks):
+        if not with_peaks:
+            monkeypatch.setattr(MomentumStacks, "peaks", lambda self, layout, j, seg, stack: None)
+        torch.manual_seed(0)
+        shapes = [(256, 128), (64, 64), (64, 64), (1024, 512), (256,)]
+        params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+        opt = DisTrOAdamW(params, lr=0.01)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        monkeypatch.undo()
+        return [p.detach().clone() for p in params], [opt.state[p]["delta"].clone() for p in params]
+
+    params_a, deltas_a = run(True)
+    params_b, deltas_b = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
+    assert all(torch.equal(a, b) for a, b in zip(deltas_a, deltas_b))

@@ -1,0 +1,36 @@
+"""The small models the tests train, and what the optimizer tests train them on.
+
+The classifier, its batches and its training loop: every draw is seeded (the model by ``seed``
+through torch's global RNG, each batch by its own generator from ``rank`` and ``step``), so two
+runs that take the same steps end bit-identical, which the tests check with ``torch.equal``. The
+experiment runner's smallest transformer is given as the command-line flags that select it."""
+import torch
+
+from distro_opt import DeMo, DisTrOAdamW
+
+OPTIMIZERS = [DisTrOAdamW, DeMo]
+
+
+def make_model(seed=0, width=32):
+    """16 inputs -> ``width`` tanh units -> 4 classes, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+
+
+def batch(step, rank=0):
+    """Worker ``rank``'s 8 inputs and labels of step ``step``: other workers, other data."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def train(model, opt, steps, rank=0, start=0):
+    """Steps ``start`` .. ``start + steps - 1`` of cross-entropy training on worker ``rank``'s batches."""
+    for t in range(start, start + steps):
+        x, y = batch(t, rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+# the experiment runner's smallest transformer, as its command-line flags
+TINY_TRANSFORMER_FLAGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--d-ff", "64"]
