@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from .shards import local
 from .step import all_finite, work_dtype
 
 # A group's settings that, in the local-step mode, are the inner optimizer's (where its groups have them)
@@ -138,8 +139,10 @@ class LocalSteps:
         return None
 
     def inputs(self, opt, entries) -> list[torch.Tensor]:
-        """The pseudo-gradients ``anchor - p``, in the parameters' units (no loss scale)."""
-        return [opt.state[p]["anchor"] - p.detach().to(opt.state[p]["anchor"].dtype) for _, p in entries]
+        """The pseudo-gradients ``anchor - p``, in the parameters' units (no loss scale); of the local
+        shards for DTensor parameters."""
+        anchors = [local(opt.state[p]["anchor"]) for _, p in entries]
+        return [a - local(p).detach().to(a.dtype) for a, (_, p) in zip(anchors, entries)]
 
     def unscale(self, opt) -> float:
         return 1.0
@@ -155,7 +158,7 @@ class LocalSteps:
             for p in group["params"]:
                 anchor = opt.state.get(p, {}).get("anchor")
                 if anchor is not None and id(p) not in trained:
-                    p.copy_(anchor)
+                    local(p).copy_(local(anchor))
 
     def add_param_group(self, group) -> None:
         self.inner_optimizer.add_param_group(inner_group(group))

@@ -103,6 +103,8 @@ def accumulate(xs, old, out, decay: float, scale: float, peaks=None) -> None:
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in buffers):
         raise ValueError("the native DCT takes contiguous float32 CPU old, out and peaks")
     for i, x in enumerate(xs):
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):  # a DTensor's data is not its own memory
+            raise ValueError(f"the native DCT takes plain tensors, not a {type(x).__name__} (pass its local shard)")
         if x.dtype != torch.float32 or x.device.type != "cpu" or tuple(x.shape) != (rows, cols):
             raise ValueError(
                 f"the native DCT takes float32 CPU matrices of one shape, not {x.dtype} {tuple(x.shape)}"

@@ -22,7 +22,7 @@ from distro_opt.comm import resolve_backend
 from . import checkpoint, shards
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
-from .step import apply_update, compress, decode_payloads, momentum_state
+from .step import apply_update, check_inputs, compress, decode_payloads, momentum_state
 from .transform import DCTTransform
 from .updates import WeightDecay
 from .values import value_codec
@@ -93,6 +93,10 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         per-group value fails here rather than silently doing something else at the first step."""
         super().add_param_group(param_group)
         try:
+            complex_params = [tuple(p.shape) for p in self.param_groups[-1]["params"] if p.is_complex()]
+            if complex_params:
+                raise ValueError(f"complex parameters are not supported (shapes {complex_params}): "
+                                 "pass torch.view_as_real views of them, or real parameters")
             self._check_group(self.param_groups[-1])
         except ValueError:
             self.param_groups.pop()  # refused: the optimizer stays as it was
@@ -164,10 +168,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             self._stacks.begin_step([
                 shards.local(st["delta"]) for st in self.state.values() if isinstance(st, dict) and "delta" in st
             ])
+            inputs = [shards.local(x) for x in self._source.inputs(self, entries)]
+            check_inputs(entries, inputs)
             work, states = self._local_work(entries)
             unscale = self._source.unscale(self)
             scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
-            inputs = [shards.local(x) for x in self._source.inputs(self, entries)]
             parts, news = compress(work, layout, inputs, states.dicts, self._stacks, scales)
             states.write_back()
         buf = layout.encode(parts)
@@ -242,6 +247,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         adds its inner optimizer's state under ``inner``."""
         self.flush()
         sd = super().state_dict()
+        sd["state"] = {i: shards.saveable(st) if isinstance(st, dict) else st for i, st in sd["state"].items()}
         sd["delta_layout"] = checkpoint.DELTA_LAYOUT
         sd["optimizer"] = type(self).__name__
         inner = self._source.state_dict()

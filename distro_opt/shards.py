@@ -33,7 +33,23 @@ def like_param(value: torch.Tensor, p) -> torch.Tensor:
     """``value`` (of ``p``'s local shape) as a DTensor laid out like ``p``; itself for a plain ``p``."""
     if not is_sharded(p):
         return value
-    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    with torch.inference_mode(False):  # state outlives the step: an ordinary tensor (see optimizer.py)
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def saveable(state: dict) -> dict:
+    """``state`` (one parameter's, as ``state_dict`` packs it) with each DTensor whose local shard is
+    a view into a larger buffer (the momentum stacks of ``momentum.py``) replaced by one over a copy
+    of it: torch.save cannot serialize a DTensor over a view at an offset. ``state`` itself is left
+    as it is; one without such a DTensor is returned as it is."""
+    def offset(v):
+        return is_sharded(v) and v._local_tensor.storage_offset() != 0
+
+    if not any(offset(v) for v in state.values()):
+        return state
+    return {k: DTensor.from_local(v._local_tensor.clone(), v.device_mesh, v.placements, run_check=False,
+                                  shape=v.shape, stride=v.stride()) if offset(v) else v
+            for k, v in state.items()}
 
 
 class LocalStates:

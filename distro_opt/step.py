@@ -62,6 +62,22 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
+def check_inputs(entries, inputs) -> None:
+    """Refuse, naming it, what the step cannot compute on (before any state changes): parameters on
+    the meta device, and sparse or otherwise non-strided momentum inputs."""
+    for (_, p), x in zip(entries, inputs):
+        if p.device.type == "meta":
+            raise ValueError(
+                f"cannot step a parameter of shape {tuple(p.shape)} on the meta device: materialize the "
+                "model first (e.g. model.to_empty(device=...) and its initialization)"
+            )
+        if x is not None and x.layout != torch.strided:
+            raise ValueError(
+                f"the gradient of a parameter of shape {tuple(p.shape)} is {x.layout}: distro-opt takes "
+                "dense gradients (torch.optim.SparseAdam takes sparse ones)"
+            )
+
+
 def compress(entries, layout: PayloadLayout, inputs, states, stacks, scales):
     """Stages 1-4 for every segment, without touching the state.
 

@@ -1,0 +1,77 @@
+"""DisTrOAdamW on FSDP2 (DTensor) parameters across real processes: Gloo on 127.0.0.1, a 2 x 2
+``init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))``, the model sharded with
+``fully_shard`` over the shard dimension and the optimizer communicating over the replicate one.
+
+The reference is the unsharded run: one process per replica, each on its replica's whole batch
+(the sharded run splits it between the replica's two shard ranks, whose gradients FSDP2 averages).
+The model's local shards have rows in multiples of 64, so every shard is cut into the chunks the
+unsharded parameter has, and the two runs compress the same coefficients.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distro_opt.comm import CommStats
+from distro_opt.wire import PayloadLayout, param_spec
+from test_torch_backend import HEADER_BYTES, expect_success, launch
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["per-step", "local-steps"])
+def runs(request, tmp_path_factory):
+    """(the 4 sharded ranks' results, the 2 unsharded replicas' results) for sync_every 1 or 2."""
+    sync_every = request.param
+    sharded_dir, plain_dir = tmp_path_factory.mktemp("sharded"), tmp_path_factory.mktemp("plain")
+    sharded, codes = launch([["run", "fsdp_hybrid", [STEPS, sync_every]]], 4, sharded_dir, timeout_s=180)
+    expect_success(sharded, codes, sharded_dir)
+    plain, codes = launch([["run", "plain_replicas", [STEPS, sync_every]]], 2, plain_dir, timeout_s=120)
+    expect_success(plain, codes, plain_dir)
+    return [r["run"] for r in sharded], [r["run"] for r in plain]
+
+
+def test_sharded_training_takes_the_unsharded_runs_steps(runs):
+    sharded, plain = runs
+    for rank in sharded:
+        for got, want in zip(rank["full"], plain[0]["full"]):
+            # float rounding of the split batch may flip the sign of a near-zero direction: a tie
+            differ = (got - want).abs() > 1e-5
+            assert differ.float().mean() <= 0.005, f"{int(differ.sum())} of {differ.numel()} entries differ"
+    assert all(torch.equal(a, b) for a, b in zip(plain[0]["full"], plain[1]["full"]))
+
+
+def test_replicas_of_one_shard_stay_bitwise_identical(runs):
+    sharded, _ = runs
+    by_shard = {}
+    for rank in sharded:
+        by_shard.setdefault(rank["shard"], []).append(rank["local"])
+    assert sorted(by_shard) == [0, 1]
+    for replicas in by_shard.values():
+        assert len(replicas) == 2
+        assert all(torch.equal(a, b) for a, b in zip(*replicas))
+
+
+def test_bytes_per_step_are_the_local_shards_payload(runs):
+    sharded, plain = runs
+    sync_every = STEPS // sharded[0]["steps"]
+    for rank in sharded:
+        layout = PayloadLayout([param_spec(shape, 8, 64, 1) for shape in rank["local_shapes"]])
+        assert rank["payload_nbytes"] == layout.nbytes < plain[0]["payload_nbytes"]
+        assert rank["world_size"] == 2  # the replicate group: the shard ranks never exchange payloads
+        syncs = STEPS // sync_every
+        framed = CommStats.all_gather_bytes(HEADER_BYTES + layout.nbytes, 2)
+        assert rank["bytes_sent"] == HEADER_BYTES + syncs * framed  # a size announcement, then the frames
+
+
+def test_state_of_sharded_parameters_is_kept_as_dtensors(runs):
+    sharded, _ = runs
+    assert all("DTensor" in rank["state_types"] for rank in sharded)
+
+
+def test_a_sharded_run_resumes_bit_identically_from_each_ranks_state_dict(tmp_path):
+    results, codes = launch([["resume", "fsdp_resume", [0, 1, str(tmp_path)]]], 4, tmp_path, timeout_s=180)
+    for rank in expect_success(results, codes, tmp_path):
+        res = rank["resume"]
+        assert res["delta_types"] == ["DTensor"]
+        assert all(torch.equal(a, b) for a, b in zip(res["continued"], res["resumed"]))
