@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .cli import Parser, UsageError, at_least, fail, os_error_message
+from distro_opt.cli_args import Parser, UsageError, at_least, fail, os_error_message
 
 COMPRESSION = {"topk": 8, "chunk": 64, "bits": 8}
 EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
@@ -114,7 +114,7 @@ class LanguageTask:
 
 
 def number(cast, low, exclusive=False):
-    """``cli.at_least``, and finite: an infinite or NaN time would wait forever or compare as nothing."""
+    """``cli_args.at_least``, and finite: an infinite or NaN time would wait forever or compare as nothing."""
     check = at_least(cast, low, exclusive)
 
     def convert(text):
