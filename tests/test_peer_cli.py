@@ -98,7 +98,9 @@ def test_an_existing_output_file_is_refused_before_anything_starts(restored_logg
     assert path.read_text() == "keep"
 
 
-def test_a_missing_output_directory_or_one_file_for_both_outputs_is_refused(restored_logging, capsys, tmp_path):
+def test_a_missing_output_directory_or_one_file_for_both_outputs_is_refused(
+    restored_logging, capsys, tmp_path
+):
     code, _, err = run_main(capsys, "--out", str(tmp_path / "no" / "summary.json"))
     assert code == 2
     assert_one_error_line(err, f"directory {tmp_path / 'no'} does not exist")

@@ -71,72 +71,46 @@ def build_parser() -> Parser:
         help=f"'{SYNTHETIC}' (no data needed) or an experiments preset ({', '.join(presets)}; e.g. 'smoke', "
         "a small transformer on the cached corpus)",
     )
-    p.add_argument(
-        "--num-shards",
-        type=number(int, 1),
-        default=8,
-        help="language presets: the corpus is cut in this many",
-    )
-    p.add_argument(
-        "--seed", type=number(int, 0), default=0, help="initial parameters and data: the same on every peer"
-    )
-    p.add_argument("--shard", type=number(int, 0), default=0, help="language presets: 0 .. --num-shards - 1")
-    p.add_argument(
-        "--steps", type=number(int, 1), default=100, help="train until the run's step reaches this"
-    )
+    count, index = number(int, 1), number(int, 0)
+    p.add_argument("--num-shards", type=count, default=8, help="language presets: number of corpus shards")
+    p.add_argument("--seed", type=index, default=0, help="initial parameters and data: same on every peer")
+    p.add_argument("--shard", type=index, default=0, help="language presets: 0 .. --num-shards - 1")
+    p.add_argument("--steps", type=count, default=100, help="train until the run's step reaches this")
     p.add_argument("--lr", type=number(float, 0), default=3e-3, help="DisTrO-AdamW's learning rate")
     p.add_argument("--join", action="store_true", help="download state from a live peer before training")
-    p.add_argument(
-        "--join-after-step",
-        type=number(int, 0),
-        default=0,
-        help="with --join: wait until the run reaches this step",
-    )
+    p.add_argument("--join-after-step", type=index, default=0, help="with --join: wait for this run step")
     p.add_argument(
         "--min-peers",
-        type=number(int, 1),
+        type=count,
         default=1,
         help="wait up to --wait-peers-s for this many peers (self included); if fewer arrive, say so on "
         "stderr and train with those present (later peers can still --join)",
     )
+    seconds, positive_seconds = number(float, 0), number(float, 0, exclusive=True)
     p.add_argument(
         "--wait-peers-s",
-        type=number(float, 0),
+        type=seconds,
         default=30.0,
         help="how long to wait for --min-peers (with --join: for --join-after-step)",
     )
     p.add_argument(
         "--step-timeout-s",
-        type=number(float, 0, exclusive=True),
+        type=positive_seconds,
         default=10.0,
         help="a step goes on without the payloads that have not arrived by then",
     )
-    p.add_argument(
-        "--heartbeat-s",
-        type=number(float, 0, exclusive=True),
-        default=1.0,
-        help="how often this peer tells the DHT it is alive; must be < --ttl-s",
-    )
-    p.add_argument(
-        "--ttl-s",
-        type=number(float, 0, exclusive=True),
-        default=4.0,
-        help="a peer silent this long has left the run",
-    )
-    p.add_argument(
-        "--exclude-s",
-        type=number(float, 0),
-        default=60.0,
-        help="how long a peer that sent garbage is ignored",
-    )
+    heartbeat = "how often this peer tells the DHT it is alive; must be < --ttl-s"
+    p.add_argument("--heartbeat-s", type=positive_seconds, default=1.0, help=heartbeat)
+    p.add_argument("--ttl-s", type=positive_seconds, default=4.0, help="a peer silent this long has left")
+    p.add_argument("--exclude-s", type=seconds, default=60.0, help="how long a garbage sender is ignored")
     p.add_argument(
         "--checksum-every",
-        type=number(int, 0),
+        type=index,
         default=5,
         help="compare replica checksums with the other peers every this many steps (0: never)",
     )
     p.add_argument(
-        "--linger-s", type=number(float, 0), default=2.0, help="keep serving logs/state after the last step"
+        "--linger-s", type=seconds, default=2.0, help="keep serving logs/state after the last step"
     )
     p.add_argument(
         "--maddrs-file",

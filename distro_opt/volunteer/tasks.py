@@ -66,7 +66,8 @@ class LanguageTask:
         """Refuse (``CorpusError``) a shard too small for one window now, not at step 0."""
         from distro_opt.experiments.data import check_corpus_fits
 
-        check_corpus_fits(self.corpus, seq_len=self.cfg.seq_len, workers=self.num_shards, sharding="contiguous")
+        cfg = self.cfg
+        check_corpus_fits(self.corpus, seq_len=cfg.seq_len, workers=self.num_shards, sharding="contiguous")
 
     def model(self) -> nn.Module:
         from distro_opt.experiments.model import build_model
