@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distro_opt.experiments.cli import at_least
+from distro_opt.cli_args import at_least
 from distro_opt.experiments.presets import PRESETS
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from distro_opt.cli_args import at_least
 from distro_opt.comm import Backend, PendingGather
-from distro_opt.experiments.cli import at_least
 from distro_opt.experiments.process_group import one_machine_env
 
 WARMUP_STEPS = 3

@@ -21,9 +21,8 @@ import time
 
 import torch
 
-from distro_opt.experiments.cli import at_least
-
 from distro_opt import DCTTransform, DeMo, DisTrOAdamW, native
+from distro_opt.cli_args import at_least
 
 
 MODELS = {"5m": dict(layers=4, width=256, ffn=1024, vocab=4096),

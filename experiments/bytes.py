@@ -16,10 +16,10 @@ import sys
 
 import torch
 
+from distro_opt.cli_args import Parser, fail
 from distro_opt.comm import CommStats, SingleWorkerBackend
 
 from .arms import build_optimizer, check_arm, parse_arms
-from .cli import Parser, fail
 from .model import Transformer, count_parameters
 from .presets import PRESETS, get_preset
 

@@ -1,24 +1,14 @@
-"""Command-line plumbing shared by the experiment scripts: one-line errors with exit code 2, and
-``--field`` flags generated from a preset dataclass so that every preset field can be overridden."""
+"""Command-line plumbing of the experiment scripts: ``--field`` flags generated from a preset
+dataclass, so that every preset field can be overridden, and boolean words. The one-line errors and
+range-checked numbers they share with the volunteer program live in ``distro_opt.cli_args``."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import typing
 
-EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit code 2, nothing written."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage + message; one line is easier to read in CI logs
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
-
+from distro_opt.cli_args import typed
 
 # What a boolean may be written as, in flags and in arm options alike.
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True}
@@ -32,31 +22,6 @@ def parse_bool(text: str) -> bool:
         raise argparse.ArgumentTypeError(
             f"invalid boolean value: {text!r} (expected true or false)"
         ) from None
-
-
-def _typed(cast):
-    def convert(text):
-        try:
-            return cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {cast.__name__} value: {text!r}") from None
-
-    convert.__name__ = cast.__name__
-    return convert
-
-
-def at_least(cast, low, exclusive=False):
-    """An argparse type: ``cast(text)``, refused as a one-line usage error unless ``>= low`` (``> low``
-    with ``exclusive``); what the scripts' numeric flags take (a count of 0 would fail only later)."""
-    def convert(text):
-        value = _typed(cast)(text)
-        if value < low or (exclusive and value == low):
-            bound = f"{'>' if exclusive else '>='} {low}"
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a number {bound}")
-        return value
-
-    convert.__name__ = cast.__name__
-    return convert
 
 
 def _preset_values(presets: dict, name: str) -> str:
@@ -79,7 +44,7 @@ def add_preset_flags(parser: argparse.ArgumentParser, preset_cls, presets: dict,
         if f.name in skip:
             continue
         kind = hints[f.name]
-        conv = parse_bool if kind is bool else _typed(kind)
+        conv = parse_bool if kind is bool else typed(kind)
         group.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,
@@ -97,16 +62,3 @@ def apply_overrides(preset, args) -> object:
         if getattr(args, f.name, None) is not None
     }
     return dataclasses.replace(preset, **changes)
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
-def os_error_message(exc: OSError) -> str:
-    """An OSError as one line naming the path (a file in the way, no permission, a full disk)."""
-    where = exc.filename if exc.filename is not None else "a file"
-    # mkdir(exist_ok=True) says only "File exists" when a file stands where the directory should be.
-    reason = "a file is in the way of a directory" if isinstance(exc, FileExistsError) else exc.strerror
-    return f"cannot use {where}: {reason or exc}"

@@ -21,11 +21,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from distro_opt.cli_args import UsageError, fail, os_error_message
 from distro_opt.comm import resolve_backend
 from distro_opt.comm.torch_backend import CollectiveError
 
 from .checkpoint import CheckpointStore
-from .cli import UsageError, fail, os_error_message
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .metrics import MetricsSink, truncate_metrics
 from .process_group import RendezvousError, remove_rendezvous_file, start_process_group

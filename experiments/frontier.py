@@ -18,7 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import fail, os_error_message
+from distro_opt.cli_args import fail, os_error_message
+
 from .presets import saved_preset_fields
 
 

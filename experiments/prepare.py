@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .cli import Parser, fail, os_error_message
+from distro_opt.cli_args import Parser, fail, os_error_message
+
 from .data import SHAKESPEARE, TOKENIZERS, CorpusError, default_cache_dir, load_corpus, prepare
 
 

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
+from distro_opt.cli_args import Parser, UsageError, fail, os_error_message
 from distro_opt.comm import InProcessBackend
 
 from .arms import check_arm, parse_arms
 from .checkpoint import CheckpointStore
-from .cli import UsageError, Parser, add_preset_flags, apply_overrides, fail, os_error_message
+from .cli import add_preset_flags, apply_overrides
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary

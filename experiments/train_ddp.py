@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distro_opt import DisTrOAdamW
+from distro_opt.cli_args import Parser, fail
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
-from distro_opt.experiments.cli import Parser, fail
 from distro_opt.experiments.ddp_checkpoint import (
     check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
 )

@@ -108,7 +108,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 class Cluster:
-    """Starts peer programs in ``workdir``; use as a context manager so all of them die at the end."""
+    """Starts peer programs in ``workdir`` (``_hm_peer.py``, or ``script`` given the same options); use
+    as a context manager so all of them die at the end."""
 
     def __init__(self, workdir: Path, run_id: str, common: list[str]):
         self.workdir, self.run_id, self.common = Path(workdir), run_id, list(common)
@@ -117,7 +118,7 @@ class Cluster:
     def start(
         self, name: str, *extra: str, initial_peers: list[str] | None = None, script: str | None = None
     ) -> Peer:
-        program = [script] if script else ["-m", "distro_opt.experiments.peer"]
+        program = [script or str(Path(__file__).with_name("_hm_peer.py"))]
         argv = [
             sys.executable,
             *program,

@@ -1,6 +1,6 @@
 """Test helper: a rogue peer that joins a run and sends garbage instead of payloads (127.0.0.1 only).
 
-Run as ``python _hm_rogue.py <peer.py flags>``. It builds the honest peers' model and optimizer to
+Run as ``python _hm_rogue.py <_hm_peer.py options>``. It builds the honest peers' model and optimizer to
 learn the payload layout, then each step sends one kind of garbage, in turn:
 
 * ``wrong-size``: a payload one byte short (refused at the hello, sender excluded)
@@ -23,7 +23,11 @@ from hivemind.p2p import PeerID
 from distro_opt import PayloadLayout, param_spec
 from distro_opt.comm import SingleWorkerBackend
 from distro_opt.comm import hivemind_wire as wire
-from distro_opt.experiments.peer import COMPRESSION, build, make_backend, parse_args
+from distro_opt.volunteer import parse_args
+from distro_opt.volunteer.program import make_backend
+from distro_opt.volunteer.training import COMPRESSION, build
+
+from _hm_peer import pop_option  # this script's directory, tests/, is on sys.path
 
 MODES = ("wrong-size", "oversized", "bad-index", "nan", "noise")
 
@@ -91,7 +95,9 @@ async def flood(backend, peer: str, step: int, nbytes: int) -> str:
 
 
 def main() -> int:
-    args = parse_args(sys.argv[1:])
+    argv = sys.argv[1:]
+    step_delay_s = pop_option(argv, "--step-delay-s", float, 0.0)
+    args = parse_args(argv)
     good, layout = template(args)
     backend = make_backend(args)
     rng = torch.Generator().manual_seed(7)
@@ -110,7 +116,7 @@ def main() -> int:
             backend.all_gather(garbage(mode, good, layout, rng) if mode != "oversized" else good)
             print(f"rogue step {step} sent {mode}", flush=True)
             step += 1
-            time.sleep(args.step_delay_s)
+            time.sleep(step_delay_s)
     finally:
         backend.close()
     return 0

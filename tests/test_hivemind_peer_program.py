@@ -1,4 +1,4 @@
-"""The peer program's replica guard (experiments/peer.py) in this process, on a real backend on 127.0.0.1."""
+"""The peer program's replica guard (distro_opt/volunteer) in this process, on a real backend on 127.0.0.1."""
 
 import json
 import logging
@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("hivemind")
 
 from distro_opt.comm.hivemind_backend import HivemindBackend  # noqa: E402
-from distro_opt.experiments import peer  # noqa: E402
+from distro_opt import volunteer  # noqa: E402
 
 
 import _hm_local as local  # noqa: E402
@@ -44,18 +44,18 @@ class ChecksumSpy(HivemindBackend):
     "every,published,compared",
     [(1, [0, 1, 2, 3, 4, 5], [0, 1, 2, 3]), (2, [1, 3, 5], [1, 3]), (3, [2, 5], [2])],
 )
-def test_every_published_checksum_is_compared_two_steps_later(dht, monkeypatch, every, published, compared):
+def test_every_published_checksum_is_compared_two_steps_later(dht, every, published, compared):
     backends = []
 
     def make_backend(args):
         backends.append(ChecksumSpy(args.run_id, dht=dht, heartbeat_s=0.3, ttl_s=1.5, step_timeout_s=2.0))
         return backends[-1]
 
-    monkeypatch.setattr(peer, "make_backend", make_backend)
-    level = logging.getLogger("distro_opt").level  # main() configures logging for a program
+    level = logging.getLogger("distro_opt").level  # run() configures logging for a program
     try:
         argv = ["--run-id", f"t{uuid.uuid4().hex[:10]}", "--steps", "6", "--checksum-every", str(every)]
-        assert peer.main(argv + ["--linger-s", "0", "--wait-peers-s", "0"]) == 0
+        args = volunteer.parse_args(argv + ["--linger-s", "0", "--wait-peers-s", "0"])
+        assert volunteer.run(args, make_backend=make_backend) == 0
     finally:
         logging.getLogger("distro_opt").setLevel(level)
     (spy,) = backends
@@ -64,20 +64,21 @@ def test_every_published_checksum_is_compared_two_steps_later(dht, monkeypatch, 
 
 @pytest.fixture
 def program(dht, monkeypatch):
-    """``peer.main`` in this process, its backend on the module's DHT; returns (exit code, stdout,
-    stderr) of one run. ``on_start(args)`` runs when the backend is made (after the input checks)."""
+    """``volunteer.run`` in this process, its backend on the module's DHT; returns (exit code, stdout,
+    stderr) of one run. ``on_start(args)`` runs when the backend is made (after the input checks);
+    ``after_step`` is passed to ``volunteer.run``."""
 
-    def run(capsys, *argv, on_start=None):
+    def run(capsys, *argv, on_start=None, after_step=None):
         def make_backend(args):
             if on_start is not None:
                 on_start(args)
             return HivemindBackend(args.run_id, dht=dht, heartbeat_s=0.3, ttl_s=1.5, step_timeout_s=2.0)
 
-        monkeypatch.setattr(peer, "make_backend", make_backend)
         monkeypatch.setenv("HIVEMIND_LOGLEVEL", "ERROR")
         level = logging.getLogger("distro_opt").level
         try:
-            code = peer.main(["--run-id", f"t{uuid.uuid4().hex[:10]}", "--linger-s", "0", *argv])
+            args = volunteer.parse_args(["--run-id", f"t{uuid.uuid4().hex[:10]}", "--linger-s", "0", *argv])
+            code = volunteer.run(args, make_backend=make_backend, after_step=after_step)
         finally:
             logging.getLogger("distro_opt").setLevel(level)
         out, err = capsys.readouterr()
@@ -124,3 +125,24 @@ def test_an_out_file_that_appears_during_the_run_is_not_overwritten(program, cap
     assert code == 1, err
     assert err == f"error: {out_file} appeared while the peer ran; not overwritten\n"
     assert out_file.read_text() == "theirs"
+
+
+def test_after_step_runs_after_every_step_and_what_it_changes_is_trained_on(program, capsys, tmp_path):
+    def summary(name, after_step=None):
+        out_file = tmp_path / name
+        code, _, err = program(capsys, "--steps", "3", "--wait-peers-s", "0", "--checksum-every", "0",
+                               "--out", str(out_file), after_step=after_step)
+        assert code == 0, err
+        return json.loads(out_file.read_text())
+
+    seen = []
+
+    def nudge_at_step_1(step, model):
+        seen.append(step)
+        if step == 1:
+            next(model.parameters()).data.add_(1e-3)
+
+    plain, plain_again, nudged = summary("a.json"), summary("b.json"), summary("c.json", nudge_at_step_1)
+    assert seen == [0, 1, 2]
+    assert plain["checksum"] == plain_again["checksum"]  # one peer alone: the run is deterministic
+    assert nudged["checksum"] != plain["checksum"]

@@ -1,4 +1,4 @@
-"""Peer programs (``python -m distro_opt.experiments.peer``) as separate processes on 127.0.0.1.
+"""Peer programs (``distro_opt.volunteer``, through ``_hm_peer.py``) as separate processes on 127.0.0.1.
 
 Churn: three peers start a run; one is SIGKILLed at step 10; a fourth joins late by downloading
 state, then trains in lockstep; one has its parameters nudged at step 21, so the replica checksum

@@ -1,4 +1,4 @@
-"""distro-peer's command line (experiments/peer.py): bad input is one ``error:`` line, exit status 2,
+"""distro-peer's command line (distro_opt/volunteer): bad input is one ``error:`` line, exit status 2,
 refused before the DHT starts; the output files are never overwritten; a run that cannot start is one
 line, exit status 1. Only 127.0.0.1 is used (an unreachable peer is port 1 on loopback)."""
 
@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from distro_opt.experiments import peer  # noqa: E402
+from distro_opt import volunteer  # noqa: E402
+from distro_opt.volunteer.outputs import write_new  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,15 +20,15 @@ PEER_ID = "QmXLZSLDpgE6C2WEGEXBQ4nGmDFqpKWwm3wrXNWGWPtu2z"
 NOBODY = f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_ID}"  # a well-formed address where nothing listens
 
 
+def refuse_to_start(args):
+    """A ``make_backend`` that fails the test if reached: bad input must be refused before the DHT
+    (and its p2p daemon) starts."""
+    raise AssertionError("the DHT was started before the input was refused")
+
+
 @pytest.fixture
-def no_backend(monkeypatch):
-    """``peer.main`` in this process, with a ``make_backend`` that fails the test if reached: bad
-    input must be refused before the DHT (and its p2p daemon) starts."""
-
-    def make_backend(args):
-        raise AssertionError("the DHT was started before the input was refused")
-
-    monkeypatch.setattr(peer, "make_backend", make_backend)
+def restored_logging(monkeypatch):
+    """The program's logging settings, restored after a ``run_main``."""
     monkeypatch.setenv("HIVEMIND_LOGLEVEL", "ERROR")  # main() sets it only where unset
     level = logging.getLogger("distro_opt").level  # main() configures logging for a program
     yield
@@ -35,8 +36,10 @@ def no_backend(monkeypatch):
 
 
 def run_main(capsys, *argv):
+    """``volunteer.run`` in this process, as ``distro-peer --run-id cli ARGV`` but with a backend
+    that fails the test if it is started."""
     try:
-        code = peer.main(["--run-id", "cli", *argv])
+        code = volunteer.run(volunteer.parse_args(["--run-id", "cli", *argv]), make_backend=refuse_to_start)
     except SystemExit as exc:  # argparse
         code = exc.code
     out, err = capsys.readouterr()
@@ -71,13 +74,13 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("argv,expected", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
-def test_bad_input_is_one_line_and_exit_2_before_the_dht_starts(no_backend, capsys, argv, expected):
+def test_bad_input_is_one_line_and_exit_2_before_the_dht_starts(restored_logging, capsys, argv, expected):
     code, out, err = run_main(capsys, *argv)
     assert code == 2 and out == "", (code, out, err)
     assert_one_error_line(err, expected)
 
 
-def test_missing_corpus_is_one_line_and_exit_2(no_backend, capsys, monkeypatch, tmp_path):
+def test_missing_corpus_is_one_line_and_exit_2(restored_logging, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("DISTRO_OPT_CACHE", str(tmp_path / "nothing-here"))
     code, out, err = run_main(capsys, "--preset", "smoke")
     assert code == 2, err
@@ -86,7 +89,7 @@ def test_missing_corpus_is_one_line_and_exit_2(no_backend, capsys, monkeypatch, 
 
 
 @pytest.mark.parametrize("flag", ["--out", "--maddrs-file"])
-def test_an_existing_output_file_is_refused_before_anything_starts(no_backend, capsys, tmp_path, flag):
+def test_an_existing_output_file_is_refused_before_anything_starts(restored_logging, capsys, tmp_path, flag):
     path = tmp_path / "keep.json"
     path.write_text("keep")
     code, out, err = run_main(capsys, flag, str(path))
@@ -95,7 +98,9 @@ def test_an_existing_output_file_is_refused_before_anything_starts(no_backend, c
     assert path.read_text() == "keep"
 
 
-def test_a_missing_output_directory_or_one_file_for_both_outputs_is_refused(no_backend, capsys, tmp_path):
+def test_a_missing_output_directory_or_one_file_for_both_outputs_is_refused(
+    restored_logging, capsys, tmp_path
+):
     code, _, err = run_main(capsys, "--out", str(tmp_path / "no" / "summary.json"))
     assert code == 2
     assert_one_error_line(err, f"directory {tmp_path / 'no'} does not exist")
@@ -108,10 +113,10 @@ def test_a_missing_output_directory_or_one_file_for_both_outputs_is_refused(no_b
 
 def test_write_new_writes_a_whole_new_file_and_never_replaces_one(tmp_path):
     path = tmp_path / "maddrs"
-    peer.write_new(path, "a\nb")
+    write_new(path, "a\nb")
     assert path.read_text() == "a\nb"
     with pytest.raises(FileExistsError) as exc:
-        peer.write_new(path, "other")
+        write_new(path, "other")
     assert exc.value.filename == str(path)
     assert path.read_text() == "a\nb"
     assert os.listdir(tmp_path) == ["maddrs"]  # no temporary file left behind
@@ -121,7 +126,7 @@ def run_program(tmp_path, *argv, timeout_s=60):
     env = dict(os.environ, HIVEMIND_LOGLEVEL="ERROR", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     # cwd is not the repository root: comm/ must not be importable as a top-level package
     return subprocess.run(
-        [sys.executable, "-m", "distro_opt.experiments.peer", "--run-id", "cli", *argv],
+        [sys.executable, "-m", "distro_opt.volunteer", "--run-id", "cli", *argv],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -142,3 +147,14 @@ def test_an_unreachable_initial_peer_is_one_line_and_exit_1(tmp_path):
     assert_one_error_line(proc.stderr, "cannot start this peer: Daemon failed to start: failed to connect")
     assert "check --initial-peers" in proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_help_names_the_defaults_and_no_test_only_option(capsys):
+    with pytest.raises(SystemExit) as exc:
+        volunteer.parse_args(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    for default in ("(default: 100)", "(default: 0.003)", "(default: synthetic)", "(default: 10.0)"):
+        assert default in text, text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--step-delay-s" not in text and "--perturb-at-step" not in text
