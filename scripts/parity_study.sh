@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's parity study, end to end: every run behind the README's "Parity study" tables, then the
+# Issue 6's parity study, end to end: every run behind docs/results-parity.md's tables, then the
 # frontier tables and plots. Hours of CPU on a 2-core machine (the parity-preset runs take 15-20 min
 # per arm and seed). Runs that already finished are skipped; an interrupted one resumes.
 #
