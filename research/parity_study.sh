@@ -3,7 +3,7 @@
 # frontier tables and plots. Hours of CPU on a 2-core machine (the parity-preset runs take 15-20 min
 # per arm and seed). Runs that already finished are skipped; an interrupted one resumes.
 #
-#   bash scripts/parity_study.sh [OUT]      # OUT defaults to runs/study
+#   bash research/parity_study.sh [OUT]      # OUT defaults to runs/study
 #
 # Needs the set-up of the README (scripts/setup.sh, python -m experiments.prepare) and, for the
 # second corpus, network access to PyPI once (pip download of the brotli sdist, whose test data
@@ -68,7 +68,7 @@ run tok-b16-outer-lr-half $B16 --arms "distro:sync_every=16,$DENSE,outer_lr=0.5"
 for spec in "1 4" "2 2"; do  # rank, bits per factor value
     read -r rank bits <<<"$spec"
     f="$OUT/lowrank-r$rank-b$bits.jsonl"
-    [ -f "$f" ] || "$PY" scripts/lowrank_prototype.py --sync-every 16 --rank "$rank" --bits "$bits" --out "$f"
+    [ -f "$f" ] || "$PY" research/lowrank_prototype.py --sync-every 16 --rank "$rank" --bits "$bits" --out "$f"
 done
 # Worker data: every worker draws from the whole text (iid) instead of its own quarter.
 run iid-smoke --preset smoke --sharding iid --arms "adamw,distro,$LOCAL"

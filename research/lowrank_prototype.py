@@ -20,7 +20,7 @@ simulated one after another in this process, each with its own AdamW, as DiLoCo)
 Bytes are what the factors, scales and vectors would take on the wire (no header), per worker.
 Not part of the library: the optimizer's wire format is DCT top-k only.
 
-    python scripts/lowrank_prototype.py --rank 1 --bits 4 --sync-every 16 --out runs/lowrank-r1.jsonl
+    python research/lowrank_prototype.py --rank 1 --bits 4 --sync-every 16 --out runs/lowrank-r1.jsonl
 """
 from __future__ import annotations
 
