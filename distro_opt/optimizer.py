@@ -22,7 +22,7 @@ from distro_opt.comm import resolve_backend
 from . import checkpoint, shards
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
-from .step import apply_update, check_inputs, compress, decode_payloads, momentum_state
+from .step import apply_update, check_inputs, compress, unpack_payloads, momentum_state
 from .transform import DCTTransform
 from .updates import WeightDecay
 from .values import value_codec
@@ -137,7 +137,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
 
     @property
     def payload_layout(self) -> PayloadLayout:
-        """The wire layout of this worker's payload; ``payload_layout.decode(buf)`` validates one."""
+        """The wire layout of this worker's payload; ``payload_layout.unpack(buf)`` validates one."""
         return self._layout(self._entries())
 
     @property
@@ -175,7 +175,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
             parts, news = compress(work, layout, inputs, states.dicts, self._stacks, scales)
             states.write_back()
-        buf = layout.encode(parts)
+        buf = layout.pack(parts)
         codec_s = time.perf_counter() - t0
 
         def commit():  # once every payload of the step is valid: a rejected step changes nothing
@@ -208,12 +208,12 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         bufs = handle.wait()
         t1 = time.perf_counter()
-        decoded = decode_payloads(entries, layout, bufs, self.comm)
+        unpacked = unpack_payloads(entries, layout, bufs, self.comm)
         if before_apply is not None:
             before_apply()
-        if decoded or not self._source.skips_empty_steps:  # else nobody contributed: skipped alike
+        if unpacked or not self._source.skips_empty_steps:  # else nobody contributed: skipped alike
             work, states = self._local_work(entries)
-            apply_update(work, layout, decoded, states.dicts, self._stacks.transform, self._update_rule)
+            apply_update(work, layout, unpacked, states.dicts, self._stacks.transform, self._update_rule)
             states.write_back()
             self._source.after_update(self, entries)
         return t1 - t0, time.perf_counter() - t1

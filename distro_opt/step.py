@@ -4,10 +4,10 @@ Algorithm 1). Per parameter p with momentum input g (its gradient, or a pseudo-g
     1. momentum + transform   Delta' = beta * Delta + s * DCT(g)            ``compress``
     2. select                 the top-k coefficients of every chunk         ``compress``
     3. quantize               the kept values in ``compression_bits``        ``compress``
-    4. error feedback         Delta' -= what the receivers will decode       ``compress``
-    5. pack                   every parameter into one uint8 buffer          ``PayloadLayout.encode``
+    4. error feedback         Delta' -= what the receivers will dequantize   ``compress``
+    5. pack                   every parameter into one uint8 buffer          ``PayloadLayout.pack``
     6. gather                 one all-gather of that buffer                  the optimizer's backend
-    7. validate and decode    every payload, before anything changes         ``decode_payloads``
+    7. validate and unpack    every payload, before anything changes         ``unpack_payloads``
     8. aggregate              each coefficient: mean over the workers that kept it   ``aggregate``
     9. inverse transform      U = IDCT(aggregate)                            ``apply_update``
    10. update                 p <- rule(p, U): sign, rms, adam, outer        ``apply_update``, ``updates.py``
@@ -89,7 +89,7 @@ def compress(entries, layout: PayloadLayout, inputs, states, stacks, scales):
 
     A NaN or inf input spreads to every coefficient of its chunk, and top-k ranks those first, so
     checking what is about to be sent finds it without another pass over the inputs. It is checked
-    as the receivers will decode it: a finite value beyond bf16's (or float32's) range travels as
+    as the receivers will dequantize it: a finite value beyond bf16's (or float32's) range travels as
     inf, which every receiver would refuse."""
     parts, news, sents = [], [None] * len(entries), []
     for j, seg in enumerate(layout.segments):
@@ -106,7 +106,7 @@ def compress(entries, layout: PayloadLayout, inputs, states, stacks, scales):
                 peaks=None if peaks is None else peaks[a * n // last : b * n // last],
             )
         idx, kept, subtract = stacks.select(layout, j, seg, new, peaks if filled else None)  # 2.
-        vbytes, sent = value_codec(seg.bits).encode(kept)  # 3. sent: the values as decoded
+        vbytes, sent = value_codec(seg.bits).quantize(kept)  # 3. sent: the values as unpacked
         subtract(sent)  # 4. error feedback: the momentum keeps what was not sent
         sents.append(sent)
         parts.append((idx, vbytes))
@@ -128,16 +128,16 @@ def _input(p, x, dtype) -> torch.Tensor:
     return as_dtype(x, dtype)
 
 
-def decode_payloads(entries, layout: PayloadLayout, bufs, comm) -> list:
-    """Stage 7: every gathered payload validated and decoded into (indices, values) per segment, the
+def unpack_payloads(entries, layout: PayloadLayout, bufs, comm) -> list:
+    """Stage 7: every gathered payload validated and unpacked into (indices, values) per segment, the
     values in the dtype they are applied in. Non-contributing payloads are left out. An invalid
     payload raises ``PayloadError``, unless the backend drops invalid payloads (a volunteer run), in
     which case it is reported to the backend and left out."""
-    decoded = []
+    unpacked = []
     drops = getattr(comm, "drops_invalid_payloads", False)
     for i, buf in enumerate(bufs):
         try:
-            payload = layout.decode(buf)
+            payload = layout.unpack(buf)
             if payload is not None:
                 payload = _in_work_dtypes(entries, layout, payload)
         except PayloadError as exc:
@@ -147,8 +147,8 @@ def decode_payloads(entries, layout: PayloadLayout, bufs, comm) -> list:
             comm.report_invalid(i)
             continue
         if payload is not None:
-            decoded.append(payload)
-    return decoded
+            unpacked.append(payload)
+    return unpacked
 
 
 def _in_work_dtypes(entries, layout, payload):
@@ -193,20 +193,20 @@ def aggregate(seg: Segment, contributions, like: torch.Tensor):
     return idx, values / count
 
 
-def apply_update(entries, layout: PayloadLayout, decoded, states, transform, rule_of) -> None:
-    """Stages 8-10: per segment, the aggregate of the decoded payloads, its inverse transform U per
+def apply_update(entries, layout: PayloadLayout, unpacked, states, transform, rule_of) -> None:
+    """Stages 8-10: per segment, the aggregate of the unpacked payloads, its inverse transform U per
     parameter, and ``rule_of(group)(group, p, U, state)`` (``updates.py``). With no payload at all
     U is zero (the rule still runs: the local-step mode's outer step moves on its momentum).
 
-    U comes in the transform's blocked layout (``DCTTransform.decode_many``), which a contiguous
+    U comes in the transform's blocked layout (``DCTTransform.inverse_sparse_pieces``), which a contiguous
     parameter's view lines up with element for element."""
     for j, seg in enumerate(layout.segments):
         params = [entries[m][1] for m in seg.members]
         seg_states = [states[m] for m in seg.members]
-        if decoded:
-            idx, weights = aggregate(seg, [d[j] for d in decoded], like=seg_states[0]["delta"])
+        if unpacked:
+            idx, weights = aggregate(seg, [d[j] for d in unpacked], like=seg_states[0]["delta"])
             pieces = [(a, b, tuple(p.shape)) for p, (a, b) in zip(params, seg.rows)]
-            directions = transform.decode_many(idx, weights, seg.chunk, pieces)
+            directions = transform.inverse_sparse_pieces(idx, weights, seg.chunk, pieces)
         else:
             directions = [
                 torch.zeros(transform.blocked_shape(p.shape, seg.chunk), dtype=st["delta"].dtype, device=p.device)

@@ -86,7 +86,7 @@ class DCTTransform:
             return out
         return self.gemm.apply(x, tuple(x.shape) or (1,), chunk, inverse=False)
 
-    def encode(self, x: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
+    def coefficient_rows(self, x: torch.Tensor, chunk: tuple[int, ...]) -> torch.Tensor:
         """DCT of every chunk of ``x``: a (num_chunks, chunk_numel) coefficient matrix."""
         return dct.chunk_rows(self.forward(x, chunk), chunk)
 
@@ -99,12 +99,12 @@ class DCTTransform:
         """Chunk rows back to the tensor's own layout (a copy)."""
         return dct.unchunk(y, full, chunk)
 
-    def decode(self, coeffs: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
-        """Inverse of ``encode``: coefficients (num_chunks, chunk_numel) back to a tensor of ``shape``."""
+    def from_coefficient_rows(self, coeffs: torch.Tensor, shape: tuple[int, ...], chunk: tuple[int, ...]) -> torch.Tensor:
+        """Inverse of ``coefficient_rows``: coefficients (num_chunks, chunk_numel) back to a tensor of ``shape``."""
         full = tuple(shape) or (1,)
         return self.gemm.apply(dct.unchunk(coeffs, full, chunk), full, chunk, inverse=True).reshape(shape)
 
-    def decode_many(self, idx: torch.Tensor, values: torch.Tensor, chunk, pieces):
+    def inverse_sparse_pieces(self, idx: torch.Tensor, values: torch.Tensor, chunk, pieces):
         """Inverse DCT of stacked chunks given as (indices, values), both (num_chunks, m), repeated
         indices adding up; ``pieces`` = [(first row, end row, shape)] cuts the stack into tensors.
 
@@ -122,7 +122,7 @@ class DCTTransform:
             dense = torch.zeros(idx.shape[0], math.prod(chunk), dtype=values.dtype, device=values.device)
             dense.scatter_add_(1, idx, values)
             for a, b, shape in pieces:
-                yield self.decode(dense[a:b], shape, chunk).view(dct.blocked_shape(shape, chunk))
+                yield self.from_coefficient_rows(dense[a:b], shape, chunk).view(dct.blocked_shape(shape, chunk))
             return
         last = self.gemm.rows(chunk[-1], values, idx % chunk[-1]) * values.unsqueeze(-1)  # (B, m, c_last)
         if len(chunk) == 1:
@@ -139,9 +139,9 @@ class DCTTransform:
             for a, b, shape in group:
                 yield dct.blocked(y[a - lo : b - lo], tuple(shape) or (1,), chunk)
 
-    def decode_sparse(self, idx: torch.Tensor, values: torch.Tensor, shape, chunk) -> torch.Tensor:
-        """``decode`` of one tensor's coefficients given as (indices, values) per chunk."""
-        (blocked,) = self.decode_many(idx, values, chunk, [(0, idx.shape[0], shape)])
+    def inverse_sparse(self, idx: torch.Tensor, values: torch.Tensor, shape, chunk) -> torch.Tensor:
+        """``from_coefficient_rows`` of one tensor's coefficients given as (indices, values) per chunk."""
+        (blocked,) = self.inverse_sparse_pieces(idx, values, chunk, [(0, idx.shape[0], shape)])
         return blocked.clone(memory_format=torch.contiguous_format).view(shape)  # its own memory, not the workspace
 
 

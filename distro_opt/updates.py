@@ -2,7 +2,7 @@
 
 Each rule is a small object called as ``rule(group, p, U, state)``: ``group`` holds the numbers
 (lr, betas, ...), ``state`` is ``optimizer.state[p]``, and U comes in the transform's blocked layout,
-which ``p.view(U.shape)`` lines up with element for element (``DCTTransform.decode_many``). The
+which ``p.view(U.shape)`` lines up with element for element (``DCTTransform.inverse_sparse_pieces``). The
 per-step rules first apply decoupled weight decay, ``p *= 1 - lr * weight_decay`` (Loshchilov &
 Hutter 2019), through the optimizer's ``WeightDecay``.
 

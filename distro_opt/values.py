@@ -104,12 +104,12 @@ class FloatValues:
     def nbytes(self, num_chunks: int, k: int) -> int:
         return num_chunks * k * self.itemsize
 
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (bytes, the values as the receivers will decode them)."""
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (bytes, the values as the receivers will dequantize them)."""
         stored = values.to(self.dtype).contiguous()
         return stored.view(torch.uint8).reshape(-1), stored.to(values.dtype)
 
-    def decode(self, data: torch.Tensor, num_chunks: int, k: int) -> torch.Tensor:
+    def dequantize(self, data: torch.Tensor, num_chunks: int, k: int) -> torch.Tensor:
         values = data.clone().view(self.dtype).reshape(num_chunks, k)  # clone: may be unaligned
         if not torch.isfinite(values).all():
             raise PayloadError("payload holds non-finite values")
@@ -149,7 +149,7 @@ class ScaledValues:
     def _unit_values(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Each code's value for a scale of 1, computed on the CPU (cached per dtype and device):
         CUDA divides by a Python number as a multiplication by its reciprocal, which is 1 ulp off
-        for 1/127, so a GPU worker computing them itself would decode other values than a CPU one."""
+        for 1/127, so a GPU worker computing them itself would dequantize to other values than a CPU one."""
         key = (dtype, device)
         if key not in self._units:
             with torch.inference_mode(False):
@@ -166,14 +166,14 @@ class ScaledValues:
     def _values(self, codes, scale):
         return self._unit_values(scale.dtype, scale.device).take(codes) * scale
 
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self._scale(values)
         codes = self._codes(values, scale)
         data = torch.cat([pack_bits(codes, self.nbits), _bf16_bytes(scale)])
-        # decode in float32 exactly as the receivers do, so the sender subtracts what they add
+        # dequantize in float32 exactly as the receivers do, so the sender subtracts what they add
         return data, self._values(codes, scale.float()).to(values.dtype)
 
-    def decode(self, data: torch.Tensor, num_chunks: int, k: int) -> torch.Tensor:
+    def dequantize(self, data: torch.Tensor, num_chunks: int, k: int) -> torch.Tensor:
         split = packed_nbytes(num_chunks * k, self.nbits)
         codes = unpack_bits(data[:split], self.nbits, num_chunks * k).reshape(num_chunks, k)
         scale = _bf16_from_bytes(data[split:]).reshape(num_chunks, 1)

@@ -119,7 +119,7 @@ class PayloadLayout:
         raw = MAGIC + bytes([FORMAT_VERSION, FLAG_CONTRIBUTES if contributes else 0]) + self.fingerprint
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
-    def encode(self, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+    def pack(self, parts: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
         """Pack (indices (rows, k), value bytes) of every segment; ``None``: a non-contributing payload."""
         buf = torch.zeros(self.nbytes, dtype=torch.uint8)
         buf[:HEADER_NBYTES] = self.header(contributes=parts is not None)
@@ -133,7 +133,7 @@ class PayloadLayout:
             buf[HEADER_NBYTES:] = torch.cat(pieces).cpu() if one_device else torch.cat([t.cpu() for t in pieces])
         return buf
 
-    def decode(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def unpack(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Validate ``buf`` and return per segment (indices (rows, k), values (rows, k)), or ``None`` when
         the sender did not contribute this step. Raises ``PayloadError`` naming what is wrong."""
         if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
@@ -167,7 +167,7 @@ class PayloadLayout:
                     raise PayloadError(f"payload repeats an index within a chunk in segment {j}")
             data = buf[seg.offset + seg.index_nbytes : seg.offset + seg.nbytes]
             try:
-                values = value_codec(seg.bits).decode(data, seg.num_chunks, seg.k)
+                values = value_codec(seg.bits).dequantize(data, seg.num_chunks, seg.k)
             except PayloadError as exc:
                 raise PayloadError(f"{exc} (segment {j})") from None
             out.append((idx.reshape(seg.num_chunks, seg.k), values))

@@ -80,7 +80,7 @@ def test_encode_matches_scipy_dctn_on_every_chunk(shape, dtype, forward_gemm, at
     x = np.random.default_rng(1).standard_normal(shape)
     t = DCTTransform()
     chunk = t.chunk_shape(shape, 8 if len(shape) == 4 else 64)
-    ours = t.encode(torch.from_numpy(x).to(dtype), chunk)
+    ours = t.coefficient_rows(torch.from_numpy(x).to(dtype), chunk)
     np.testing.assert_allclose(ours.numpy(), _scipy_chunked(x, chunk), atol=atol)
 
 
@@ -89,7 +89,7 @@ def test_decode_inverts_encode_for_any_rank(shape):
     x = torch.randn(shape, dtype=torch.float64)
     t = DCTTransform()
     chunk = t.chunk_shape(shape, 4)
-    back = t.decode(t.encode(x, chunk), shape, chunk)
+    back = t.from_coefficient_rows(t.coefficient_rows(x, chunk), shape, chunk)
     assert back.shape == x.shape
     torch.testing.assert_close(back, x, atol=1e-12, rtol=0)
 
@@ -97,7 +97,7 @@ def test_decode_inverts_encode_for_any_rank(shape):
 def test_transform_preserves_energy():
     x = torch.randn(256, 192, dtype=torch.float64)
     t = DCTTransform()
-    coeffs = t.encode(x, t.chunk_shape(x.shape, 64))
+    coeffs = t.coefficient_rows(x, t.chunk_shape(x.shape, 64))
     assert coeffs.shape == (4 * 3, 64 * 64)
     assert coeffs.pow(2).sum().item() == pytest.approx(x.pow(2).sum().item(), rel=1e-12)
 
@@ -111,11 +111,11 @@ def test_sparse_decode_equals_dense_decode_with_repeated_indices(shape, m):
     idx = torch.randint(0, numel, (blocks, m))
     values = torch.randn(blocks, m, dtype=torch.float64)
     dense = torch.zeros(blocks, numel, dtype=torch.float64).scatter_add_(1, idx, values)
-    torch.testing.assert_close(t.decode_sparse(idx, values, shape, chunk), t.decode(dense, shape, chunk))
+    torch.testing.assert_close(t.inverse_sparse(idx, values, shape, chunk), t.from_coefficient_rows(dense, shape, chunk))
 
 
 @pytest.mark.parametrize("slab_chunks", [1, 10, 1000])
-def test_decode_many_yields_each_piece_across_slabs(monkeypatch, slab_chunks):
+def test_inverse_sparse_pieces_yields_each_piece_across_slabs(monkeypatch, slab_chunks):
     """Pieces decoded in slabs (several small pieces in one, a long piece alone) equal each piece's
     dense inverse, when each view is used before the next is asked for."""
     monkeypatch.setattr(gemm_module, "SLAB_NUMEL", slab_chunks * 16 * 16)
@@ -127,12 +127,12 @@ def test_decode_many_yields_each_piece_across_slabs(monkeypatch, slab_chunks):
     idx = torch.randint(0, 256, (bounds[-1], 4))
     values = torch.randn(bounds[-1], 4)
     pieces = [(int(a), int(b), shape) for a, b, shape in zip(bounds[:-1], bounds[1:], shapes)]
-    got = [view.clone() for view in t.decode_many(idx, values, chunk, pieces)]
+    got = [view.clone() for view in t.inverse_sparse_pieces(idx, values, chunk, pieces)]
     dense = torch.zeros(bounds[-1], 256).scatter_add_(1, idx, values)
     assert len(got) == len(shapes)
     for view, (a, b, shape) in zip(got, pieces):
         assert view.shape == t.blocked_shape(shape, chunk)
-        torch.testing.assert_close(view.reshape(shape), t.decode(dense[a:b], shape, chunk), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(view.reshape(shape), t.from_coefficient_rows(dense[a:b], shape, chunk), rtol=1e-5, atol=1e-6)
 
 
 def _scipy_own_layout(x: np.ndarray, chunk) -> np.ndarray:
@@ -244,8 +244,8 @@ def test_only_the_forward_transform_uses_onednn(forward_gemm):
     values = torch.randn(6, 4)
     dense = torch.zeros(6, 64 * 64).scatter_add_(1, idx, values)
     t.inverse(y, chunk)
-    t.decode(dense, y.shape, chunk)
-    t.decode_sparse(idx, values, y.shape, chunk)
+    t.from_coefficient_rows(dense, y.shape, chunk)
+    t.inverse_sparse(idx, values, y.shape, chunk)
     assert forward_gemm.calls == 0
     t.forward(y, chunk)
     assert forward_gemm.calls > 0

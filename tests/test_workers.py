@@ -200,7 +200,7 @@ def test_float64_values_beyond_float32_are_refused_before_a_float32_momentum_tak
     opt = DisTrOAdamW([p], lr=0.01, compression_bits=64, compression_chunk=16, comm=backend)
     seg = opt.payload_layout.segments[0]
     values = torch.full((seg.num_chunks, seg.k), value, dtype=torch.float64)
-    backend.other = opt.payload_layout.encode([(torch.arange(seg.k).expand(seg.num_chunks, -1),
+    backend.other = opt.payload_layout.pack([(torch.arange(seg.k).expand(seg.num_chunks, -1),
                                                 values.view(torch.uint8).reshape(-1))])
     p.grad = torch.ones_like(p)
     if not refused:

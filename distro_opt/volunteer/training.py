@@ -60,7 +60,7 @@ def payload_validator(opt):
 
     def valid(buf) -> bool:
         try:
-            layout.decode(buf)
+            layout.unpack(buf)
         except PayloadError:
             return False
         return True

@@ -35,9 +35,9 @@ def test_pack_bits_lays_bits_out_little_endian(nbits, count):
 def test_value_codec_round_trip_error_is_bounded(bits, max_rel_err):
     values = torch.randn(50, 8, dtype=torch.float64)
     codec = value_codec(bits)
-    data, sent = codec.encode(values)
+    data, sent = codec.quantize(values)
     assert data.numel() == codec.nbytes(50, 8)
-    decoded = codec.decode(data, 50, 8).to(torch.float64)
+    decoded = codec.dequantize(data, 50, 8).to(torch.float64)
     torch.testing.assert_close(decoded, sent, rtol=0, atol=1e-12)  # receivers see what the sender subtracts
     scale = values.abs().amax(1, keepdim=True)
     assert ((decoded - values).abs() <= max_rel_err * scale + 1e-12).all()
@@ -45,13 +45,13 @@ def test_value_codec_round_trip_error_is_bounded(bits, max_rel_err):
 
 def test_two_bit_codec_keeps_sign_and_largest_magnitude():
     values = torch.tensor([[1.0, -1.0, 0.3, -0.3]])
-    decoded = value_codec(2).decode(value_codec(2).encode(values)[0], 1, 4)
+    decoded = value_codec(2).dequantize(value_codec(2).quantize(values)[0], 1, 4)
     torch.testing.assert_close(decoded, torch.tensor([[1.0, -1.0, 1 / 3, -1 / 3]]))
 
 
 def test_one_bit_codec_sends_sign_times_mean_magnitude():
     values = torch.tensor([[2.0, -1.0, 0.5, -0.5]])
-    data, sent = value_codec(1).encode(values)
+    data, sent = value_codec(1).quantize(values)
     assert data.numel() == 1 + 2  # 4 sign bits in one byte + a bf16 scale
     torch.testing.assert_close(sent, torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
 
@@ -80,20 +80,20 @@ def test_payload_size_equals_formula():
 def _layout_and_payload():
     layout = PayloadLayout([param_spec((96, 64), 8, 64, 32)])
     idx = torch.randperm(96 * 64 // 2)[:16].view(2, 8)  # 2 chunks of 48x64, 12-bit indices, no repeats
-    vbytes, _ = value_codec(32).encode(torch.randn(2, 8))
-    return layout, layout.encode([(idx, vbytes)]), idx
+    vbytes, _ = value_codec(32).quantize(torch.randn(2, 8))
+    return layout, layout.pack([(idx, vbytes)]), idx
 
 
 def test_decode_returns_what_was_encoded():
     layout, buf, idx = _layout_and_payload()
-    (decoded_idx, values), = layout.decode(buf)
+    (decoded_idx, values), = layout.unpack(buf)
     assert torch.equal(decoded_idx, idx) and values.shape == (2, 8)
 
 
 def test_decode_rejects_wrong_length():
     layout, buf, _ = _layout_and_payload()
     with pytest.raises(PayloadError, match="layout mismatch: .* bytes received"):
-        layout.decode(buf[:-1])
+        layout.unpack(buf[:-1])
 
 
 def test_decode_rejects_other_layout_fingerprint():
@@ -101,7 +101,7 @@ def test_decode_rejects_other_layout_fingerprint():
     other = PayloadLayout([param_spec((64, 96), 8, 64, 32)])  # same size, other shape
     assert other.nbytes == layout.nbytes
     with pytest.raises(PayloadError, match="fingerprint differs"):
-        other.decode(buf)
+        other.unpack(buf)
 
 
 def test_decode_rejects_index_out_of_range():
@@ -109,7 +109,7 @@ def test_decode_rejects_index_out_of_range():
     bad = buf.clone()
     bad[HEADER_NBYTES : HEADER_NBYTES + 2] = 255  # index 4095 >= 3072 (48 x 64 chunk)
     with pytest.raises(PayloadError, match="index out of range"):
-        layout.decode(bad)
+        layout.unpack(bad)
 
 
 def test_decode_rejects_an_index_repeated_within_a_chunk():
@@ -117,11 +117,11 @@ def test_decode_rejects_an_index_repeated_within_a_chunk():
     in the mean (``aggregate``)."""
     layout = PayloadLayout([param_spec((64, 128), 4, 64, 32)])
     idx = torch.tensor([[5, 9, 700, 4000], [1, 2, 3, 4]])
-    values = value_codec(32).encode(torch.randn(2, 4))[0]
-    assert layout.decode(layout.encode([(idx, values)])) is not None
+    values = value_codec(32).quantize(torch.randn(2, 4))[0]
+    assert layout.unpack(layout.pack([(idx, values)])) is not None
     idx[1, 3] = 2  # chunk 1: 1, 2, 3, 2
     with pytest.raises(PayloadError, match="repeats an index within a chunk"):
-        layout.decode(layout.encode([(idx, values)]))
+        layout.unpack(layout.pack([(idx, values)]))
 
 
 def test_decode_rejects_non_finite_values():
@@ -131,20 +131,20 @@ def test_decode_rejects_non_finite_values():
     nan = torch.tensor([float("nan")]).view(torch.uint8)
     bad[seg.offset + seg.index_nbytes : seg.offset + seg.index_nbytes + 4] = nan
     with pytest.raises(PayloadError, match="non-finite"):
-        layout.decode(bad)
+        layout.unpack(bad)
 
 
 def test_decode_rejects_negative_scale():
     layout = PayloadLayout([param_spec((64, 64), 4, 64, 1)])
-    buf = layout.encode([(torch.arange(4).view(1, 4), value_codec(1).encode(torch.ones(1, 4))[0])])
+    buf = layout.pack([(torch.arange(4).view(1, 4), value_codec(1).quantize(torch.ones(1, 4))[0])])
     buf[-2:] = torch.tensor([-1.0], dtype=torch.bfloat16).view(torch.uint8)
     with pytest.raises(PayloadError, match="negative chunk scale"):
-        layout.decode(buf)
+        layout.unpack(buf)
 
 
 def test_non_contributing_payload_decodes_to_none():
     layout, _, _ = _layout_and_payload()
-    assert layout.decode(layout.encode(None)) is None
+    assert layout.unpack(layout.pack(None)) is None
 
 
 def test_invalid_bits_rejected():
