@@ -20,6 +20,21 @@ ROWS_LAYOUT = "chunk rows"
 PARAM_SHAPED_STATE = ("delta", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "anchor", "outer_momentum_buffer")
 
 
+def by_position(state_dict: dict) -> dict:
+    """``state_dict`` with its parameters named by position (0, 1, ... over the groups in order), as
+    ``Optimizer.state_dict`` names them; torch.distributed.checkpoint names them by their module
+    path instead (a parameter's FQN), which ``Optimizer.load_state_dict`` matches by order too."""
+    groups = state_dict.get("param_groups", [])
+    saved = [pid for g in groups for pid in g.get("params", [])]
+    if all(isinstance(pid, int) for pid in saved) and saved == list(range(len(saved))):
+        return state_dict
+    position = {pid: n for n, pid in enumerate(saved)}
+    out = dict(state_dict)
+    out["param_groups"] = [{**g, "params": [position[pid] for pid in g.get("params", [])]} for g in groups]
+    out["state"] = {position.get(k, k): v for k, v in state_dict.get("state", {}).items()}
+    return out
+
+
 def check_step(index, step) -> None:
     """A checkpoint's step count: a number or a one-element real tensor, finite and >= 0."""
     if step is None:

@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
-from .shards import local
-from .step import all_finite, work_dtype
+from .shards import from_per_replica, like_param, local, per_replica
+from .step import all_finite, momentum_state, work_dtype
 
 # A group's settings that, in the local-step mode, are the inner optimizer's (where its groups have them)
 INNER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
@@ -68,18 +68,28 @@ class GradientInputs:
     def add_param_group(self, group) -> None:
         pass
 
-    def state_dict(self) -> None:
+    def save(self, opt, sd: dict) -> None:
+        pass
+
+    def take_from(self, sd: dict):
+        """Refuse a local-step checkpoint; nothing of its own to take."""
+        if is_local_step_checkpoint(sd):
+            raise ValueError(MODE_MISMATCH)
         return None
 
-    def check_state_dict(self, inner) -> None:
-        if inner is not None:
-            raise ValueError("checkpoint and optimizer disagree on the local-step mode (sync_every)")
-
-    def load_state_dict(self, inner) -> None:
+    def finish_load(self, opt, taken) -> None:
         pass
 
 
 GRADIENTS = GradientInputs()
+MODE_MISMATCH = "checkpoint and optimizer disagree on the local-step mode (sync_every)"
+INNER_PREFIX = "inner."  # a parameter's inner-optimizer state, saved in its own state under this prefix
+
+
+def is_local_step_checkpoint(sd: dict) -> bool:
+    """Whether ``sd`` was saved in the local-step mode: its groups count the local steps, or (the
+    layout before that) it holds the inner optimizer's state dict and counts in ``state``."""
+    return "inner" in sd or any("local_step" in g for g in sd.get("param_groups", []))
 
 
 def inner_group(group) -> dict:
@@ -110,6 +120,7 @@ class LocalSteps:
             )
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
+        self.count = 0  # local steps taken
 
     def communicates(self, opt, entries) -> bool:
         """Take one inner step; True on every ``sync_every``-th."""
@@ -117,11 +128,15 @@ class LocalSteps:
             for _, p in entries:
                 if "anchor" not in opt.state[p]:
                     opt.state[p]["anchor"] = p.detach().to(work_dtype(p), copy=True)
+                    # the momentum too, before the first sync: a checkpoint then has the state's
+                    # whole shape (torch.distributed.checkpoint loads only what its target has)
+                    opt.state[p]["delta"] = like_param(momentum_state({}, local(p))["delta"], p)
+                    opt.state[p].setdefault("step", torch.tensor(0.0))
             skipped = self._inner_step(opt, [p.grad for _, p in entries if p.grad is not None])
         if skipped:
             warnings.warn(f"distro-opt: {skipped}; this inner step is skipped")
-        local = opt.state["local_step"] = opt.state.get("local_step", 0) + 1
-        return local % self.sync_every == 0
+        self.count += 1
+        return self.count % self.sync_every == 0
 
     def _inner_step(self, opt, grads) -> str | None:
         """One inner step on unscaled finite gradients, with the outer groups' current settings;
@@ -163,22 +178,55 @@ class LocalSteps:
     def add_param_group(self, group) -> None:
         self.inner_optimizer.add_param_group(inner_group(group))
 
-    def state_dict(self) -> dict:
-        return self.inner_optimizer.state_dict()
+    # -- checkpoints: everything in the groups and the per-parameter states, as torch.distributed.
+    # checkpoint keeps them (it drops other top-level entries and needs parameter keys in "state")
+    def save(self, opt, sd: dict) -> None:
+        """Write the local-step count into every saved group, and each parameter's inner-optimizer
+        state into its saved state under ``INNER_PREFIX`` (per worker: ``shards.per_replica``)."""
+        for group in sd["param_groups"]:
+            group["local_step"] = self.count
+        params = [p for g in self.inner_optimizer.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            inner = self.inner_optimizer.state.get(p)
+            if inner:
+                own = dict(sd["state"].get(i, {}))
+                own.update({INNER_PREFIX + k: per_replica(v, p) for k, v in inner.items()})
+                sd["state"][i] = own
 
-    def load_state_dict(self, inner) -> None:
+    def take_from(self, sd: dict):
+        """Take this mode's entries out of ``sd`` (a copy, changed in place) before the outer state
+        is checked and loaded; refuse what cannot be resumed, before anything changes."""
+        if not is_local_step_checkpoint(sd):
+            raise ValueError(MODE_MISMATCH)
+        if "inner" in sd:  # the inner optimizer's whole state dict, the count in "state"
+            inner = sd.pop("inner")
+            saved = [len(g["params"]) for g in inner["param_groups"]]
+            expected = [len(g["params"]) for g in self.inner_optimizer.param_groups]
+            if saved != expected:
+                raise ValueError(f"checkpoint's inner optimizer has groups of {saved} parameters, expected {expected}")
+            sd["state"] = dict(sd["state"])
+            return sd["state"].pop("local_step", 0), inner
+        counts = {g.get("local_step") for g in sd["param_groups"]}
+        if len(counts) != 1 or not isinstance(next(iter(counts)), int) or next(iter(counts)) < 0:
+            raise ValueError(f"checkpoint's param groups disagree on the local step: {sorted(map(str, counts))}")
+        sd["param_groups"] = [{k: v for k, v in g.items() if k != "local_step"} for g in sd["param_groups"]]
+        inner_states, outer_states = {}, {}
+        for i, st in sd["state"].items():
+            inner_states[i] = {k[len(INNER_PREFIX):]: v for k, v in st.items() if k.startswith(INNER_PREFIX)}
+            outer_states[i] = {k: v for k, v in st.items() if not k.startswith(INNER_PREFIX)}
+        sd["state"] = {i: st for i, st in outer_states.items() if st}
+        groups = self.inner_optimizer.state_dict()["param_groups"]
+        return next(iter(counts)), {"state": {i: st for i, st in inner_states.items() if st}, "param_groups": groups}
+
+    def finish_load(self, opt, taken) -> None:
+        self.count, inner = taken
+        params = [p for g in self.inner_optimizer.param_groups for p in g["params"]]
+        inner = {**inner, "state": {
+            i: {k: from_per_replica(v, params[i]) if isinstance(i, int) and i < len(params) else v
+                for k, v in st.items()}
+            for i, st in inner["state"].items()
+        }}
         self.inner_optimizer.load_state_dict(inner)
-
-    def check_state_dict(self, inner) -> None:
-        """Refuse, before anything changes, an inner state this optimizer cannot take (torch would
-        refuse it only after the outer state was replaced)."""
-        if inner is None:
-            raise ValueError("checkpoint and optimizer disagree on the local-step mode (sync_every)")
-        saved = [len(g["params"]) for g in inner["param_groups"]]
-        expected = [len(g["params"]) for g in self.inner_optimizer.param_groups]
-        if saved != expected:
-            raise ValueError(f"checkpoint's inner optimizer has groups of {saved} parameters, expected {expected}")
-
 
 @contextlib.contextmanager
 def synced_parameters(param_groups, state):

@@ -244,16 +244,25 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         from the checkpoint reproduces the saving run exactly. ``delta_layout`` says how the
         momentum is laid out (``checkpoint.py``); ``optimizer`` names the class: DeMo's momentum is
         scaled by the lr, DisTrOAdamW's is not, so one cannot resume the other. The local-step mode
-        adds its inner optimizer's state under ``inner``."""
+        adds its count to the groups and its inner optimizer's state to each parameter's
+        (``local_steps.LocalSteps.save``)."""
         self.flush()
         sd = super().state_dict()
-        sd["state"] = {i: shards.saveable(st) if isinstance(st, dict) else st for i, st in sd["state"].items()}
+        params = [p for g in self.param_groups for p in g["params"]]
+        sd["state"] = {i: self._saveable(st, params[i]) if isinstance(st, dict) else st for i, st in sd["state"].items()}
         sd["delta_layout"] = checkpoint.DELTA_LAYOUT
         sd["optimizer"] = type(self).__name__
-        inner = self._source.state_dict()
-        if inner is not None:
-            sd["inner"] = inner
+        self._source.save(self, sd)
         return sd
+
+    @staticmethod
+    def _saveable(state: dict, p) -> dict:
+        """One parameter's state as saved: each worker's own momentum in ``shards.per_replica``'s
+        layout where ``p`` is sharded (the DTensor shard of a momentum stack copied)."""
+        state = shards.saveable(state)
+        if "delta" in state and shards.is_sharded(p):
+            state = {**state, "delta": shards.per_replica(state["delta"], p)}
+        return state
 
     def load_state_dict(self, state_dict):
         """As torch's, but buffers keep their saved dtype: torch would cast them to the parameter's,
@@ -262,9 +271,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         Everything is checked before anything changes: the optimizer class and mode, every group's
         settings (a checkpoint of torch's AdamW lacks the compression settings), and each
         parameter's state (``checkpoint.py``)."""
-        state_dict = dict(state_dict)
-        inner = state_dict.pop("inner", None)
-        self._source.check_state_dict(inner)
+        state_dict = dict(checkpoint.by_position(state_dict))
+        taken = self._source.take_from(state_dict)
         saved_class = state_dict.pop("optimizer", type(self).__name__)
         if saved_class != type(self).__name__:
             raise ValueError(f"checkpoint is of a {saved_class}, not a {type(self).__name__}: it cannot be resumed here")
@@ -274,6 +282,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
                 f"checkpoint has an unknown delta_layout {delta_layout!r} (expected {checkpoint.DELTA_LAYOUT!r})"
             )
         params = [p for g in self.param_groups for p in g["params"]]
+        state_dict["state"] = {
+            i: {**st, "delta": shards.from_per_replica(st["delta"], params[i])}
+            if isinstance(i, int) and i < len(params) and isinstance(st, dict) and "delta" in st else st
+            for i, st in state_dict.get("state", {}).items()
+        }
         chunk_target = checkpoint.check_groups(
             state_dict, self.param_groups, self._optional_group_keys, self._check_group, type(self).__name__
         )
@@ -284,4 +297,4 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self._pending = None  # only once the load succeeded: a refused one keeps the update in flight
         self._stacks.reset()  # the loaded momentum may be views of these; start from fresh buffers
         checkpoint.restore_loaded(self.state, state_dict, params, row_deltas)
-        self._source.load_state_dict(inner)
+        self._source.finish_load(self, taken)

@@ -11,12 +11,14 @@ the step reads and writes. Plain tensors pass through untouched.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # a torch without torch.distributed
-    DTensor = None
+    DTensor = Shard = None
 
 
 def is_sharded(t) -> bool:
@@ -50,6 +52,50 @@ def saveable(state: dict) -> dict:
     return {k: DTensor.from_local(v._local_tensor.clone(), v.device_mesh, v.placements, run_check=False,
                                   shape=v.shape, stride=v.stride()) if offset(v) else v
             for k, v in state.items()}
+
+
+def _replica_layout(p):
+    """(root mesh, its placements for a per-replica tensor, number of replicas) when ``p``'s mesh is
+    one dimension of a larger mesh whose other dimension holds the replicas (a mesh's "shard"
+    dimension, as in ``mesh["shard"]``); None otherwise."""
+    mesh = p.device_mesh
+    root = mesh._get_root_mesh()
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if root is mesh or root.ndim != mesh.ndim + 1 or not set(names) <= set(root_names):
+        return None
+    placements = []
+    for name in root_names:
+        if name not in names:
+            placements.append(Shard(0))  # the replicas, stacked along a new first dimension
+            replicas = root.size(root_names.index(name))
+            continue
+        placement = p.placements[names.index(name)]
+        placements.append(Shard(placement.dim + 1) if isinstance(placement, Shard) else placement)
+    return root, tuple(placements), replicas
+
+
+def per_replica(value, p):
+    """A state tensor that differs between replicas (the error-feedback momentum: each worker keeps
+    what it did not send), laid out so that torch.distributed.checkpoint keeps every replica's copy:
+    a DTensor over ``p``'s whole mesh of shape (replicas, *p.shape), replica r's shard in row r. A
+    DTensor laid out like ``p`` alone reads to DCP as one tensor held by every replica, and it keeps
+    one copy. ``value`` itself where ``p``'s mesh has no replica dimension, or is not a DTensor."""
+    layout = _replica_layout(p) if is_sharded(p) and is_sharded(value) else None
+    if layout is None:
+        return value
+    root, placements, replicas = layout
+    shape = (replicas, *p.shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    with torch.inference_mode(False):
+        return DTensor.from_local(value._local_tensor.unsqueeze(0).clone(), root, placements, run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+
+
+def from_per_replica(value, p):
+    """Inverse of ``per_replica``: this rank's row laid out like ``p`` (anything else as it is)."""
+    if not (is_sharded(p) and is_sharded(value)) or value.dim() != p.dim() + 1:
+        return value
+    return like_param(value._local_tensor.squeeze(0).clone(), p)
 
 
 class LocalStates:

@@ -262,6 +262,28 @@ def scenario_fsdp_resume(rank, world_size, args):
             "delta_types": sorted({type(st["delta"]).__name__ for st in fresh_opt.state.values()
                                    if isinstance(st, dict) and "delta" in st})}
 
+
+def scenario_fsdp_dcp(rank, world_size, args):
+    """As ``fsdp_resume``, through torch.distributed.checkpoint: one checkpoint for all ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path, saved_at = os.path.join(args[2], "dcp"), int(args[3])
+    model, opt, replica, shard = _fsdp_setup(args)
+    _fsdp_train(model, opt, replica, shard, saved_at)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    _fsdp_train(model, opt, replica, shard, 3, first=saved_at)
+    continued = _full(model)
+    fresh, fresh_opt, _, _ = _fsdp_setup(args)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    _fsdp_train(fresh, fresh_opt, replica, shard, 3, first=saved_at)
+    return {"continued": continued, "resumed": _full(fresh)}
+
+
 SCENARIOS = {
     "cuda_raw": scenario_cuda_raw,
     "mismatch": scenario_mismatch,
@@ -274,6 +296,7 @@ SCENARIOS = {
     "fsdp_hybrid": scenario_fsdp_hybrid,
     "plain_replicas": scenario_plain_replicas,
     "fsdp_resume": scenario_fsdp_resume,
+    "fsdp_dcp": scenario_fsdp_dcp,
 }
 
 

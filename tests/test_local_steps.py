@@ -270,12 +270,59 @@ def test_a_checkpoint_taken_after_add_param_group_resumes_where_both_groups_were
     assert same(straight, resumed)
 
 
+def _as_saved_with_a_whole_inner_state_dict(opt):
+    """``opt``'s checkpoint in the layout that kept the inner optimizer's state dict whole under
+    "inner" and the local-step count in "state" (still read)."""
+    ckpt = opt.state_dict()
+    count = ckpt["param_groups"][0]["local_step"]
+    ckpt["param_groups"] = [{k: v for k, v in g.items() if k != "local_step"} for g in ckpt["param_groups"]]
+    ckpt["state"] = {i: {k: v for k, v in st.items() if not k.startswith("inner.")} for i, st in ckpt["state"].items()}
+    ckpt["state"]["local_step"] = count
+    ckpt["inner"] = opt.inner_optimizer.state_dict()
+    return ckpt
+
+
+def test_a_checkpoint_with_a_whole_inner_state_dict_resumes_bit_identically():
+    straight = make_model()
+    opt = make_opt(straight)
+    for t in range(2 * H + 2):
+        step(straight, opt, t)
+    first = make_model()
+    opt = make_opt(first)
+    for t in range(H + 1):
+        step(first, opt, t)
+    ckpt = {"model": first.state_dict(), "opt": _as_saved_with_a_whole_inner_state_dict(opt)}
+    resumed = make_model(seed=7)
+    resumed.load_state_dict(ckpt["model"])
+    opt = make_opt(resumed)
+    opt.load_state_dict(ckpt["opt"])
+    for t in range(H + 1, 2 * H + 2):
+        step(resumed, opt, t)
+    assert same(straight, resumed)
+
+
+def test_a_checkpoint_keeps_the_local_step_count_in_its_groups_and_the_inner_state_per_parameter():
+    """What torch.distributed.checkpoint keeps: the groups and the parameters' states."""
+    model = make_model()
+    opt = make_opt(model)
+    for t in range(H + 1):
+        step(model, opt, t)
+    ckpt = opt.state_dict()
+    assert set(ckpt) == {"state", "param_groups", "delta_layout", "optimizer"}
+    assert [g["local_step"] for g in ckpt["param_groups"]] == [H + 1]
+    assert all(isinstance(i, int) for i in ckpt["state"])
+    inner = opt.inner_optimizer.state
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(ckpt["state"][i]["inner.exp_avg"], inner[p]["exp_avg"])
+    assert "local_step" not in opt.param_groups[0]
+
+
 def test_a_checkpoint_whose_inner_optimizer_lacks_a_group_is_refused_before_anything_changes():
     saver = make_model()
     opt = _two_groups(saver, added_later=False)
     for t in range(H + 1):
         step(saver, opt, t)
-    ckpt = opt.state_dict()
+    ckpt = _as_saved_with_a_whole_inner_state_dict(opt)
     # as saved before add_param_group reached the inner optimizer
     ckpt["inner"] = {**ckpt["inner"], "param_groups": ckpt["inner"]["param_groups"][:1]}
     model = make_model()

@@ -69,9 +69,21 @@ def test_state_of_sharded_parameters_is_kept_as_dtensors(runs):
     assert all("DTensor" in rank["state_types"] for rank in sharded)
 
 
-def test_a_sharded_run_resumes_bit_identically_from_each_ranks_state_dict(tmp_path):
-    results, codes = launch([["resume", "fsdp_resume", [0, 1, str(tmp_path)]]], 4, tmp_path, timeout_s=180)
+@pytest.mark.parametrize("sync_every", [1, 2], ids=["per-step", "local-steps"])
+def test_a_sharded_run_resumes_bit_identically_from_each_ranks_state_dict(tmp_path, sync_every):
+    results, codes = launch([["resume", "fsdp_resume", [0, sync_every, str(tmp_path)]]], 4, tmp_path, timeout_s=180)
     for rank in expect_success(results, codes, tmp_path):
         res = rank["resume"]
         assert res["delta_types"] == ["DTensor"]
+        assert all(torch.equal(a, b) for a, b in zip(res["continued"], res["resumed"]))
+
+
+@pytest.mark.parametrize("sync_every", [1, 2], ids=["per-step", "local-steps"])
+def test_a_sharded_run_resumes_bit_identically_through_torch_distributed_checkpoint(tmp_path, sync_every):
+    """DCP keeps one copy of a tensor that every replica holds; each replica's own momentum (and,
+    with local steps, its inner optimizer's moments and the step count) must come back to it."""
+    saved_at = 3 if sync_every == 1 else 2 * sync_every  # with local steps: right after a sync
+    results, codes = launch([["dcp", "fsdp_dcp", [0, sync_every, str(tmp_path), saved_at]]], 4, tmp_path, timeout_s=180)
+    for rank in expect_success(results, codes, tmp_path):
+        res = rank["dcp"]
         assert all(torch.equal(a, b) for a, b in zip(res["continued"], res["resumed"]))
