@@ -284,6 +284,32 @@ def scenario_fsdp_dcp(rank, world_size, args):
     return {"continued": continued, "resumed": _full(fresh)}
 
 
+
+def scenario_fsdp_uneven(rank, world_size, args):
+    """A parameter of 129 rows sharded over 2 ranks: shards of 65 and 64 rows. Over the replicate
+    group (same shards) it trains; over the shard group (different shards) every rank must refuse
+    the step with the payload-mismatch error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distro_opt import DisTrOAdamW
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 129)
+    fully_shard(model, mesh=mesh["shard"])
+    opt = DisTrOAdamW(model.parameters(), lr=0.01, comm=mesh[args[0]].get_group())
+    replica, _ = mesh.get_coordinate()
+
+    def train():
+        x, _ = _replica_batch(0, replica)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        return [tuple(p.to_local().shape) for p in model.parameters()]
+
+    return outcome(train)
+
+
 SCENARIOS = {
     "cuda_raw": scenario_cuda_raw,
     "mismatch": scenario_mismatch,
@@ -297,6 +323,7 @@ SCENARIOS = {
     "plain_replicas": scenario_plain_replicas,
     "fsdp_resume": scenario_fsdp_resume,
     "fsdp_dcp": scenario_fsdp_dcp,
+    "fsdp_uneven": scenario_fsdp_uneven,
 }
 
 
