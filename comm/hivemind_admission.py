@@ -37,3 +37,23 @@ class Admission:
             for old in [p for p, until in self.excluded.items() if until <= now]:
                 del self.excluded[old]  # strangers can mint identities: keep only live exclusions
             self.excluded[peer] = now + self.exclude_s
+
+
+class StreamSlots:
+    """How many streams of one kind each peer, and all peers together, may hold open at once: one
+    peer cannot take every slot, and what a slot costs (a state snapshot in memory) stays bounded."""
+
+    def __init__(self, per_peer: int, total: int):
+        self.per_peer, self.total = per_peer, total
+        self.held: dict[str, int] = {}  # touched on the event loop only
+
+    def take(self, peer: str) -> bool:
+        if self.held.get(peer, 0) >= self.per_peer or sum(self.held.values()) >= self.total:
+            return False
+        self.held[peer] = self.held.get(peer, 0) + 1
+        return True
+
+    def give(self, peer: str) -> None:
+        self.held[peer] -= 1
+        if not self.held[peer]:
+            del self.held[peer]
