@@ -1,5 +1,5 @@
-"""Which peers the hivemind backend takes payloads from: those on its allow list, if it has one, and
-not excluded.
+"""Which peers the hivemind backend takes payloads from and serves: those on its allow list, if it has
+one, and not excluded; and how many streams of one kind each may hold open (``StreamSlots``).
 
 A peer is excluded for ``exclude_s`` when its payload had the wrong size, failed the program's
 payload validator, or was reported invalid by the optimizer after the step.

@@ -81,7 +81,8 @@ class Membership:
             return {p: rec for p, rec in self._view.items() if rec.expires > now}
 
     def beat(self) -> None:
-        record = {"state": self.state, "client": self.client, "step": int(self.step), "in_sync": self.in_sync()}
+        record = {"state": self.state, "client": self.client, "step": int(self.step)}
+        record["in_sync"] = self.in_sync()
         self._store(self.key, json.dumps(record).encode(), get_dht_time() + self.ttl_s)
 
     def refresh(self) -> None:

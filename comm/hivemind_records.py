@@ -120,7 +120,7 @@ def verify(key_id_bytes: bytes, subkey, value, expiration: float) -> bytes | Non
     """The body of a record signed by the peer its subkey names, or ``None`` for anything else."""
     if not isinstance(subkey, str) or not subkey.startswith(SUBKEY_PREFIX):
         return None
-    if not (isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, bytes) for v in value)):
+    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(type(v) is bytes for v in value):
         return None
     body, public_key, signature = value
     if len(public_key) > MAX_PUBLIC_KEY_NBYTES or subkey[len(SUBKEY_PREFIX):] != peer_id_of(public_key):

@@ -47,7 +47,7 @@ class RoundRunner:
         try:
             return await self._phases(r, payload)
         finally:
-            if not r.finished.is_set():  # cancelled or failed: still close the round, or it blocks the log
+            if not r.finished.is_set():  # cancelled or failed: close it still, or it holds back `low`
                 self._finish(r, [])
 
     async def _phases(self, r: Round, payload: bytes) -> list[tuple[str, bytes]]:
