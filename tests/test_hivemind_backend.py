@@ -172,6 +172,18 @@ def test_joining_peer_downloads_state_and_step_number(dhts):
         assert b.step == a.step == 1
 
 
+def test_a_joiner_that_loaded_state_and_was_seen_trains_in_the_next_step_with_everyone(dhts):
+    with group(dhts, wait=False) as (a, b, joiner):
+        a.state_provider = lambda: {"w": torch.ones(1)}
+        wait_all([a, b], 1)
+        gather([(a, filled(1)), (b, filled(2))])
+        joiner.load_state_from_peers(prefer=[a.peer_id])
+        local.wait_all_visible([a, b, joiner])  # the event the others wait for, not a delay
+        results, _ = gather([(a, filled(1)), (b, filled(2)), (joiner, filled(3))])
+        assert [sorted(firsts(r)) for r in results] == [[1, 2, 3]] * 3
+        assert a.step == b.step == joiner.step == 2 and not joiner.out_of_sync
+
+
 def test_checksum_minority_learns_the_majority_peers(dhts):
     with group(dhts) as (a, b, c):
         for peer, value in ((a, "good"), (b, "good"), (c, "bad")):
