@@ -1,5 +1,5 @@
-"""Which peers the hivemind backend takes payloads from: those on its allow list, if it has one, and
-not excluded.
+"""Which peers the hivemind backend takes payloads from and serves: those on its allow list, if it has
+one, and not excluded; and how many streams of one kind each may hold open (``StreamSlots``).
 
 A peer is excluded for ``exclude_s`` when its payload had the wrong size, failed the program's
 payload validator, or was reported invalid by the optimizer after the step.
@@ -37,3 +37,23 @@ class Admission:
             for old in [p for p, until in self.excluded.items() if until <= now]:
                 del self.excluded[old]  # strangers can mint identities: keep only live exclusions
             self.excluded[peer] = now + self.exclude_s
+
+
+class StreamSlots:
+    """How many streams of one kind each peer, and all peers together, may hold open at once: one
+    peer cannot take every slot, and what a slot costs (a state snapshot in memory) stays bounded."""
+
+    def __init__(self, per_peer: int, total: int):
+        self.per_peer, self.total = per_peer, total
+        self.held: dict[str, int] = {}  # touched on the event loop only
+
+    def take(self, peer: str) -> bool:
+        if self.held.get(peer, 0) >= self.per_peer or sum(self.held.values()) >= self.total:
+            return False
+        self.held[peer] = self.held.get(peer, 0) + 1
+        return True
+
+    def give(self, peer: str) -> None:
+        self.held[peer] -= 1
+        if not self.held[peer]:
+            del self.held[peer]

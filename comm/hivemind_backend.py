@@ -1,45 +1,39 @@
 """Peer-to-peer backend on hivemind: volunteers join and leave, payloads travel over libp2p streams.
 
-One ``all_gather`` is one *round* (numbered by step) in up to three phases, all under one deadline
+One ``all_gather`` is one *round* (numbered by step) in two phases, both under one deadline
 ``step_timeout_s`` counted from the moment this peer enters the round:
 
 1. gather (until ``gather_fraction * step_timeout_s``): push this peer's payload to every active
-   peer of the DHT view (and to any peer that pushed to us this round); collect theirs. A peer whose
-   payload has not arrived by then is left out of the step; its payload, if it comes later, is
-   answered LATE and dropped.
+   peer of the DHT view (and to any peer that pushed to us this round); collect theirs. A payload
+   that has not arrived by then is left out of the step; if it comes later, it is answered LATE.
 2. agree (until ``0.8 * step_timeout_s``): send every peer whose payload we hold a vote (the digests
    of all payloads we hold); wait for their votes; the contributors are ``hivemind_wire.agree``: the
-   payloads held by everyone who voted. The result is returned sorted by peer id, so every peer
-   reduces in the same order.
-3. adopt (until ``step_timeout_s``, rare): if a voter holds payloads we never received, it counted
-   votes we could not see, so we take its contributor set (and payloads) from its log of recent
-   rounds instead of ours. Likewise, when every peer we reached answered LATE, we are behind (a
-   slow or freshly joined peer) and take a finished peer's result: we apply exactly what it applied.
+   payloads held by everyone who voted, sorted by peer id, so every peer reduces in the same order.
 
-When every vote reaches every voter, all peers compute the same set. What can still slip through
-(a peer that vanishes between sending its vote to some peers and to others; a malicious voter) is
-caught by the replica checksum the peer program compares every K steps through the DHT
-(``publish_checksum``/``compare_checksum``); a peer in the minority reloads state.
+A round holds only what this peer checked itself: a payload counts when it came on its sender's own
+stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; a vote
+can only take payloads out. Nothing is relayed: a peer that finds the step finished without it (an
+admitted peer answered LATE and never sent its payload) abstains, applies nothing and sets
+``out_of_sync``, so that the program reloads state. When every vote reaches every voter, all peers
+compute the same set; what can still slip through (a peer that vanishes between its votes; two
+client-mode peers that never reach each other; a voter that tells peers different things) is caught
+by the replica checksum the peer program compares through the DHT every K steps
+(``publish_checksum``/``compare_checksum``): a peer in the minority reloads state.
 
-The backend never looks inside a payload; it enforces the size (every payload of a round must have
-the size of this peer's own; a larger length field closes the stream before the body is read) and
-excludes a sender for ``exclude_s`` when its size is wrong, when the program's ``payload_validator``
-(built from the optimizer's codec) rejects it before the vote, or when the optimizer reports it
-invalid after the step (``report_invalid``). ``stats`` counts every byte of the gather streams
-(hello, status, payload and vote frames), not the occasional log or state downloads.
+DHT heartbeats and checksums are signed by the peer they name (``hivemind_records``); a given DHT
+must be made with ``identity_path=`` (the key to sign with). ``allow_peers`` guards every stream this
+peer serves and the checksum majority. The backend never looks inside a payload: it enforces sizes
+(a length field above this peer's own payload's closes the stream unread) and excludes a sender for
+``exclude_s`` for a wrong size, a payload ``payload_validator`` rejects, or one the optimizer reports
+(``report_invalid``). ``stats`` counts the gather streams' bytes, ``state_stats`` the state streams'.
 
-NAT: a ``client_mode=True`` peer accepts no streams; it opens one to every server and the server
-answers on it (flag REPLY), so it trains like the others but cannot serve logs or state. Two
-client-mode peers never reach each other directly; the agreement then leaves one of them out of the
-step (its payload is not held by everyone). Relays fix that: hivemind's libp2p daemon has circuit
-relays on by default (``use_relay=True``); a NAT-ed peer that passes ``dht_kwargs=dict(
-use_auto_relay=True)`` (or ``trusted_relays=[maddr]`` for a relay you host on a public machine)
-becomes reachable through a relay and can then run as a normal (server) peer.
+NAT: a ``client_mode=True`` peer accepts no streams; it opens one to every server, which answers on
+it (flag REPLY). Two client-mode peers reach each other only through a relay
+(``dht_kwargs=dict(use_auto_relay=True)`` or ``trusted_relays=[maddr]``).
 
-Parts, one object each, which this class wires together: ``RoundRunner`` runs the phases above;
-``GatherStreams`` moves and counts the bytes of phases 1-2; ``CatchUp`` serves and fetches round logs
-and state; ``RoundBook`` holds the rounds, ``Admission`` the allow list and exclusions, ``Membership``
-the DHT view, ``StreamLink`` the event loop and p2p client; ``hivemind_wire`` has the frames.
+Parts wired together here: ``RoundRunner`` (the phases), ``GatherStreams`` (their bytes), ``CatchUp``
+(state), ``RoundBook`` (rounds), ``Admission`` (allow list, exclusions), ``Membership`` (DHT view),
+``StreamLink`` (event loop, p2p client); ``hivemind_wire`` has the frames.
 """
 
 from __future__ import annotations
@@ -55,6 +49,7 @@ from .hivemind_admission import Admission
 from .hivemind_catchup import CatchUp, HivemindBackendError
 from .hivemind_link import StreamLink
 from .hivemind_membership import ACTIVE, Membership
+from .hivemind_records import SignedRecordValidator, signer_of, start_dht
 from .hivemind_round import RoundBook
 from .hivemind_runner import RoundRunner
 from .hivemind_settings import Settings, check_settings, dht_options
@@ -85,30 +80,31 @@ class HivemindBackend(Backend):
         max_peers: int = 256,
         max_state_nbytes: int = 1 << 32,
         state_timeout_s: float = 60.0,
-        log_rounds: int = 32,
         startup_timeout_s: float = 30.0,
         dht_kwargs: dict | None = None,
     ):
         check_settings(
             run_id, step_timeout_s=step_timeout_s, gather_fraction=gather_fraction, exclude_s=exclude_s,
             heartbeat_s=heartbeat_s, ttl_s=ttl_s, max_peers=max_peers, max_state_nbytes=max_state_nbytes,
-            state_timeout_s=state_timeout_s, log_rounds=log_rounds, startup_timeout_s=startup_timeout_s,
+            state_timeout_s=state_timeout_s, startup_timeout_s=startup_timeout_s,
         )
         self.settings = Settings(
             run_id=run_id, client_mode=bool(client_mode), step_timeout_s=step_timeout_s,
             gather_fraction=gather_fraction, exclude_s=exclude_s, max_peers=max_peers,
-            max_state_nbytes=max_state_nbytes, state_timeout_s=state_timeout_s, log_rounds=log_rounds,
+            max_state_nbytes=max_state_nbytes, state_timeout_s=state_timeout_s,
             startup_timeout_s=startup_timeout_s,
         )
         self.rank, self.world_size, self.stats = 0, 1, CommStats()
         self.last_contributors: list[str] = []
         self._own_dht, self.dht = dht is None, dht
-        self._book = RoundBook(log_rounds)
+        self._book = RoundBook()
         self._admission = Admission(allow_peers, exclude_s)
         self._link = StreamLink(f"hm-backend-{run_id}")
         self._streams = GatherStreams(self.settings, self._book, self._admission, self.stats, self._link)
         self.state_lock = threading.RLock()  # hold it around a training step so state snapshots are whole
-        self._catchup = CatchUp(self.settings, self._book, self._link, self.state_lock)
+        self._catchup = CatchUp(self.settings, self._book, self._admission, self._link, self.state_lock)
+        self.state_stats = self._catchup.stats
+        self._closed = threading.Event()
         self.membership: Membership | None = None
         self._runner: RoundRunner | None = None  # made once this peer knows its id and view
         try:
@@ -125,32 +121,33 @@ class HivemindBackend(Backend):
     def _start(self, initial_peers, host_maddrs, dht_kwargs, heartbeat_s: float, ttl_s: float) -> None:
         """Start the DHT (unless given one), our event loop, p2p client, stream handlers and heartbeats;
         every wait is bounded by ``startup_timeout_s``."""
-        settings = self.settings
+        settings, signer = self.settings, None
         if self._own_dht:
-            self.dht = DHT(
-                initial_peers=[str(m) for m in initial_peers], host_maddrs=[str(m) for m in host_maddrs],
-                client_mode=settings.client_mode, start=False, **dht_options(host_maddrs, dht_kwargs),
+            self.dht, signer = start_dht(
+                settings.startup_timeout_s, initial_peers=[str(m) for m in initial_peers],
+                host_maddrs=[str(m) for m in host_maddrs], client_mode=settings.client_mode,
+                **dht_options(host_maddrs, dht_kwargs),
             )
-            self.dht.run_in_background(await_ready=True, timeout=settings.startup_timeout_s)
         self._link.start_loop()  # after the DHT: hivemind forks its DHT process
         peer_id, daemon_maddr = self._ask_dht(_node_identity)
         self.peer_id = peer_id.to_base58()
+        signer = signer or signer_of(self.dht, self.peer_id)
+        self._ask_dht(_add_record_validator)  # this DHT node stores and returns only signed records
         self._link.connect(daemon_maddr, settings.startup_timeout_s)
         if not settings.client_mode:
             handlers = {
                 settings.protocol("gather"): self._streams.on_gather,
-                settings.protocol("log"): self._catchup.on_log,
                 settings.protocol("state"): self._catchup.on_state,
             }
             self._link.serve(handlers, settings.startup_timeout_s)
         self.membership = Membership(
-            self.dht, settings.run_id, self.peer_id, client=settings.client_mode,
-            heartbeat_s=heartbeat_s, ttl_s=ttl_s, dht_timeout_s=max(2.0, 2 * heartbeat_s),
+            self.dht, settings.run_id, signer, client=settings.client_mode, heartbeat_s=heartbeat_s,
+            ttl_s=ttl_s, dht_timeout_s=max(2.0, 2 * heartbeat_s), in_sync=lambda: not self._book.out_of_sync,
         )
         self.membership.start()
         self._runner = RoundRunner(
             settings, self.peer_id, book=self._book, admission=self._admission, membership=self.membership,
-            streams=self._streams, catchup=self._catchup, stats=self.stats, loop=self._link.loop,
+            streams=self._streams, stats=self.stats, loop=self._link.loop,
         )
 
     def _ask_dht(self, coro):
@@ -222,18 +219,21 @@ class HivemindBackend(Backend):
 
     def start_all_gather(self, buf: torch.Tensor) -> PendingGather:
         check_buffer(buf)
+        if self._closed.is_set():
+            raise HivemindBackendError("the backend is closed")
         payload = buf.detach().to("cpu").contiguous().numpy().tobytes()
         step = self._book.take_next()
         self.membership.state, self.membership.step = ACTIVE, step
         future = self._link.submit(self._runner.run(step, payload))
 
         def wait():
-            # the round bounds itself; the margin covers a log download after a LATE answer
-            try:
+            try:  # the round bounds itself; the margin is for an event loop slowed by other work
                 result = future.result(timeout=2 * self.settings.step_timeout_s + 5)
             except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
                 future.cancel()
                 raise HivemindBackendError(f"round {step} did not finish within its deadline") from None
+            except concurrent.futures.CancelledError:
+                raise HivemindBackendError(f"the backend was closed during round {step}") from None
             self.last_contributors = [p for p, _ in result]
             self.world_size = len(result)
             self.rank = (
@@ -266,10 +266,14 @@ class HivemindBackend(Backend):
             self._admission.exclude(peer, "its payload was reported invalid")
 
     def close(self) -> None:
-        """Leave the run and release what this backend started (also what a failed start did)."""
+        """Leave the run and release what this backend started (also what a failed start did); a
+        gather, ``wait_for_peers`` or state download waiting on another thread ends at once with
+        ``HivemindBackendError`` (``wait_for_peers`` returns its count)."""
+        self._closed.set()
         if self.membership is not None:
             self.membership.leave()
         self._link.close(cancel_first=self._book.cancel_tasks)
+        self._catchup.close()
         if self._own_dht and self.dht is not None:
             self.dht.shutdown()
 
@@ -284,8 +288,9 @@ class HivemindBackend(Backend):
         self.membership.publish_checksum(step, checksum)
 
     def compare_checksum(self, step: int, checksum: str) -> list[str] | None:
-        """``None`` when this peer agrees with the majority (or there is none); else the majority's peers."""
-        return self.membership.compare_checksum(step, checksum)
+        """``None`` when this peer agrees with the majority of the admitted peers' signed reports (or
+        there is none); else the majority's peers."""
+        return self.membership.compare_checksum(step, checksum, self._admission.admits)
 
     def load_state_from_peers(self, prefer=None, timeout_s: float | None = None):
         """Download a live peer's state (made by its ``state_provider``) and take its step number."""
@@ -299,3 +304,7 @@ async def _node_identity(_dht, node):
 
 async def _visible_maddrs(_dht, node):
     return await node.get_visible_maddrs()
+
+
+async def _add_record_validator(_dht, node):
+    node.protocol.record_validator.extend([SignedRecordValidator()])

@@ -1,25 +1,31 @@
-"""Catching up in the hivemind backend: round logs for peers that fell behind, state for joiners.
+"""Catching up in the hivemind backend: the state a joining (or out-of-sync) peer downloads.
 
-A peer keeps the contributors and payloads of its last ``log_rounds`` rounds (in its ``RoundBook``);
-a peer that finds a round already finished (or that another voter saw more than it did) fetches that
-round from it. A joining peer downloads a live peer's state, made by that peer's ``state_provider``
-between two training steps (under ``state_lock``) and sent in the safe format of ``hivemind_state``
-(nothing received is unpickled).
+A live peer serves its state, made by its ``state_provider`` between two training steps (under
+``state_lock``) and sent in the safe format of ``hivemind_state`` (nothing received is unpickled).
+Only peers that ``Admission`` admits are served, one stream per peer and ``MAX_STATE_STREAMS`` in
+all, and snapshots are made on a thread of their own, so that state requests never hold up the
+threads that validate payloads. The bytes of state streams are counted in ``stats``, a
+``CommStats`` apart from the gather streams' (its ``steps`` counts the downloads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 
 from . import hivemind_wire as wire
+from .base import CommStats
+from .hivemind_admission import Admission, StreamSlots
 from .hivemind_link import StreamLink
-from .hivemind_round import Round, RoundBook
+from .hivemind_round import RoundBook
 from .hivemind_settings import Settings
 from .hivemind_state import dump_state, load_state
 
 logger = logging.getLogger(__name__)
+
+MAX_STATE_STREAMS = 2  # each snapshot holds a copy of the whole state in memory while it is sent
 
 
 class HivemindBackendError(RuntimeError):
@@ -27,12 +33,18 @@ class HivemindBackendError(RuntimeError):
 
 
 class CatchUp:
-    """One backend's round logs and state, served to other peers and fetched from them."""
+    """One backend's state, served to other peers and fetched from them."""
 
-    def __init__(self, settings: Settings, book: RoundBook, link: StreamLink, state_lock: threading.RLock):
-        self.settings, self.book, self.link = settings, book, link
+    def __init__(
+        self, settings: Settings, book: RoundBook, admission: Admission, link: StreamLink,
+        state_lock: threading.RLock,
+    ):
+        self.settings, self.book, self.admission, self.link = settings, book, admission, link
         self.state_lock = state_lock  # the training thread holds it around a step: snapshots are whole
         self.state_provider = None  # () -> tree of tensors, served to joining peers
+        self.stats = CommStats()  # bytes of state streams, both ways; steps: the states downloaded
+        self._slots = StreamSlots(per_peer=1, total=MAX_STATE_STREAMS)
+        self._snapshots = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hm-state-snapshot")
 
     def download_state(self, candidates: list[str], timeout_s: float | None):
         """The state of the first of ``candidates`` that serves one; this peer takes its step number."""
@@ -41,74 +53,23 @@ class CatchUp:
             try:
                 blob = self.link.call(self._fetch_state(peer), timeout_s or self.settings.state_timeout_s)
                 tree = load_state(blob)
-                step = tree.get("step") if isinstance(tree, dict) else None
-                if not isinstance(step, int) or step < 0:
+                if not isinstance(tree, dict) or "state" not in tree:
+                    raise ValueError("state has no 'state' entry")
+                step = tree.get("step")
+                if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                     raise ValueError("state has no valid step number")
+            except concurrent.futures.CancelledError:
+                raise HivemindBackendError("the backend was closed during a state download") from None
             except Exception as exc:  # noqa: BLE001 - try the next peer
                 errors.append(f"{peer[-8:]}: {type(exc).__name__}: {exc}")
                 continue
             self.link.call(self._reset(step), 10)
             self.book.out_of_sync = False
+            self.stats.record(0, 0)
             return tree["state"]
         raise HivemindBackendError(
             f"no peer of run {self.settings.run_id!r} served its state ({'; '.join(errors) or 'none'})"
         )
-
-    async def adopt(self, r: Round, peers: list[str]) -> list[tuple[str, bytes]] | None:
-        """The contributors (and payloads) another peer applied for this round, from its log."""
-        loop = asyncio.get_running_loop()
-        for peer in peers:
-            remaining = r.deadline - loop.time()
-            if remaining <= 0:
-                break
-            try:
-                return await asyncio.wait_for(self._fetch_log(peer, r.step, len(r.own)), remaining)
-            except Exception as exc:  # noqa: BLE001 - ask the next peer
-                logger.debug("log of step %d from %s failed: %s: %s", r.step, peer, type(exc).__name__, exc)
-        return None
-
-    async def _fetch_log(self, peer: str, step: int, nbytes: int) -> list[tuple[str, bytes]]:
-        max_peers = self.settings.max_peers
-        _, reader, writer = await self.link.open(peer, self.settings.protocol("log"))
-        try:
-            writer.write(wire.LOG_REQUEST.pack(wire.LOG_MAGIC, step))
-            if (await reader.readexactly(1))[0] != wire.OK:
-                raise HivemindBackendError(f"peer has no log of step {step}")
-            header = await wire.read_frame(reader, wire.U32, wire.MAX_LOG_ENTRY_NBYTES * max_peers, "log")
-            peers = wire.decode_log(header, step)
-            if not peers or len(peers) > max_peers:
-                raise HivemindBackendError("log has no or too many contributors")
-            out = [(p, await reader.readexactly(nbytes)) for p in sorted(peers)]
-            if any(wire.digest(p, b) != peers[p] for p, b in out):
-                raise HivemindBackendError("log payload does not match its digest")
-            return out
-        finally:
-            writer.close()
-
-    async def on_log(self, info, reader, writer) -> None:
-        """The handler of a log stream: a peer asks what this one applied at a step."""
-        try:
-            magic, step = wire.LOG_REQUEST.unpack(
-                await asyncio.wait_for(reader.readexactly(wire.LOG_REQUEST.size), 5)
-            )
-            r = self.book.rounds.get(step)
-            if magic == wire.LOG_MAGIC and r is not None and r.own_ready.is_set():
-                await asyncio.wait_for(r.finished.wait(), self.settings.step_timeout_s)
-            entries = self.book.log.get(step) if magic == wire.LOG_MAGIC else None
-            if not entries:
-                writer.write(bytes([wire.MISSING]))
-                return
-            writer.write(bytes([wire.OK]))
-            await wire.write_frame(
-                writer, wire.U32, wire.encode_log(step, {p: wire.digest(p, b) for p, b in entries})
-            )
-            for _, b in entries:
-                writer.write(b)
-            await asyncio.wait_for(writer.drain(), self.settings.step_timeout_s)
-        except Exception as exc:  # noqa: BLE001
-            logger.debug("log request failed: %s", exc)
-        finally:
-            writer.close()
 
     def _snapshot(self) -> bytes:
         if not self.state_lock.acquire(timeout=self.settings.state_timeout_s):
@@ -120,28 +81,48 @@ class CatchUp:
 
     async def on_state(self, info, reader, writer) -> None:
         """The handler of a state stream: a joining peer asks for this one's state."""
+        peer = info.peer_id.to_base58()
+        slot = False
         try:
             magic = await asyncio.wait_for(reader.readexactly(len(wire.STATE_MAGIC)), 5)
-            if magic != wire.STATE_MAGIC or self.state_provider is None or self.book.out_of_sync:
-                writer.write(bytes([wire.MISSING]))
+            self.stats.bytes_received += len(magic)
+            slot = self.admission.admits(peer) and self._slots.take(peer)
+            if magic != wire.STATE_MAGIC or self.state_provider is None or not slot:
+                self._answer(writer, wire.MISSING)
                 return
-            blob = await asyncio.to_thread(self._snapshot)
-            writer.write(bytes([wire.OK]))
+            loop = asyncio.get_running_loop()
+            blob = await loop.run_in_executor(self._snapshots, self._snapshot)
+            self._answer(writer, wire.OK)
+            self.stats.bytes_sent += wire.U64.size + len(blob)  # counted as written, like the gather streams
             await asyncio.wait_for(wire.write_frame(writer, wire.U64, blob), self.settings.state_timeout_s)
         except Exception as exc:  # noqa: BLE001
-            logger.debug("state request failed: %s", exc)
+            logger.debug("state request from %s failed: %s", peer, exc)
         finally:
+            if slot:
+                self._slots.give(peer)
             writer.close()
+
+    def _answer(self, writer, status: int) -> None:
+        self.stats.bytes_sent += 1
+        writer.write(bytes([status]))
 
     async def _fetch_state(self, peer: str) -> bytes:
         _, reader, writer = await self.link.open(peer, self.settings.protocol("state"))
         try:
             writer.write(wire.STATE_MAGIC)
-            if (await reader.readexactly(1))[0] != wire.OK:
+            self.stats.bytes_sent += len(wire.STATE_MAGIC)
+            status = (await reader.readexactly(1))[0]
+            self.stats.bytes_received += 1
+            if status != wire.OK:
                 raise HivemindBackendError("peer does not serve state")
-            return await wire.read_frame(reader, wire.U64, self.settings.max_state_nbytes, "state")
+            blob = await wire.read_frame(reader, wire.U64, self.settings.max_state_nbytes, "state")
+            self.stats.bytes_received += wire.U64.size + len(blob)
+            return blob
         finally:
             writer.close()
 
     async def _reset(self, step: int) -> None:
         self.book.reset(step)  # on the event loop, which owns the rounds
+
+    def close(self) -> None:
+        self._snapshots.shutdown(wait=False, cancel_futures=True)

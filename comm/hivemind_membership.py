@@ -1,16 +1,19 @@
-"""Who is in a run, from DHT heartbeats, and the replica checksums peers compare through the DHT.
+"""Who is in a run, from signed DHT heartbeats, and the replica checksums peers compare through the DHT.
 
-Every peer stores a record under the key ``"{run_id}.peers"`` with its peer id as subkey and a short
-expiry (``ttl_s``), refreshed every ``heartbeat_s``: a crashed peer drops out of every view within
-``ttl_s``; a peer that leaves cleanly overwrites its record with ``state="left"`` first.
-Replica checksums live under ``"{run_id}.checksum.{step}"``, one subkey per peer. The view answers
-the backend's questions about the others: are enough peers here to start, who can serve state, does
-this peer's checksum agree with the majority's.
+Every peer stores a record under the key ``"{run_id}.peers"`` with a short expiry (``ttl_s``),
+refreshed every ``heartbeat_s``: a crashed peer drops out of every view within ``ttl_s``; a peer
+that leaves cleanly overwrites its record with ``state="left"`` first. Replica checksums live under
+``"{run_id}.checksum.{step}"``. Every record is signed by the peer it names (``hivemind_records``):
+nobody can remove a peer from a view, announce it, or report a checksum in its name. A lookup that
+fails keeps the last view (each record until its own expiry), so one lost DHT answer does not make
+the next round run alone. The view answers the backend's questions about the others: are enough
+peers here to start, who can serve state, does this peer's checksum agree with the majority's.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 import time
@@ -18,9 +21,12 @@ from dataclasses import dataclass
 
 from hivemind.utils import get_dht_time
 
+from .hivemind_records import RecordSigner, key_id, subkey_of, verify
+
 logger = logging.getLogger(__name__)
 
 ACTIVE, JOINING, LEFT = "active", "joining", "left"
+FAILED = object()  # what ``Membership._call`` returns when the DHT did not answer
 
 
 @dataclass(frozen=True)
@@ -28,25 +34,30 @@ class PeerRecord:
     state: str
     client: bool
     step: int
+    in_sync: bool = True  # False while the peer is out of sync: state is fetched from others first
+    expires: float = float("inf")  # DHT time after which the record no longer counts
 
 
 class Membership:
-    """Heartbeats of this peer and the latest view of the others, refreshed on a background thread."""
+    """Signed heartbeats of this peer and the latest view of the others, refreshed on a background thread."""
 
     def __init__(
         self,
         dht,
         run_id: str,
-        peer_id: str,
+        signer: RecordSigner,
         *,
         client: bool,
         heartbeat_s: float,
         ttl_s: float,
         dht_timeout_s: float,
+        in_sync=lambda: True,
     ):
         check_heartbeat(heartbeat_s, ttl_s)
-        self.dht, self.run_id, self.peer_id, self.client = dht, run_id, peer_id, client
+        self.dht, self.run_id, self.signer, self.client = dht, run_id, signer, client
+        self.peer_id = signer.peer_id
         self.heartbeat_s, self.ttl_s, self.dht_timeout_s = heartbeat_s, ttl_s, dht_timeout_s
+        self.in_sync = in_sync  # () -> bool, announced in every heartbeat
         self.state = JOINING
         self.step = 0
         self._view: dict[str, PeerRecord] = {}
@@ -64,22 +75,25 @@ class Membership:
         self._thread.start()
 
     def view(self) -> dict[str, PeerRecord]:
-        """The other peers whose latest record says active or joining (never this peer)."""
+        """The other peers whose latest unexpired record says active or joining (never this peer)."""
+        now = get_dht_time()
         with self._lock:
-            return dict(self._view)
+            return {p: rec for p, rec in self._view.items() if rec.expires > now}
 
     def beat(self) -> None:
         record = {"state": self.state, "client": self.client, "step": int(self.step)}
-        self._call(self.dht.store, self.key, record, get_dht_time() + self.ttl_s, subkey=self.peer_id)
+        record["in_sync"] = self.in_sync()
+        self._store(self.key, json.dumps(record).encode(), get_dht_time() + self.ttl_s)
 
     def refresh(self) -> None:
-        found = self._call(self.dht.get, self.key, latest=True)
+        records = self._signed(self.key)
+        if records is FAILED:
+            return  # keep the last view: its records still expire on their own
         view = {}
-        if found is not None and isinstance(found.value, dict):
-            for peer, item in found.value.items():
-                record = _parse_record(getattr(item, "value", None))
-                if peer != self.peer_id and record is not None and record.state != LEFT:
-                    view[str(peer)] = record
+        for peer, (body, expires) in records.items():
+            record = _parse_record(body, expires)
+            if peer != self.peer_id and record is not None and record.state != LEFT:
+                view[peer] = record
         with self._lock:
             self._view = view
 
@@ -93,20 +107,21 @@ class Membership:
 
     def wait_for_active(self, n: int, timeout_s: float) -> int:
         """Announce this peer active, then block until ``n`` other active peers are in the view (or
-        ``timeout_s``); return how many are."""
-        self.state = ACTIVE
-        self.beat()
+        ``timeout_s``, or this peer leaves); return how many are."""
+        if not self._stop.is_set():  # a peer that left announces nothing more
+            self.state = ACTIVE
+            self.beat()
         deadline = time.monotonic() + timeout_s
         while True:
             self.refresh()
             count = sum(rec.state == ACTIVE for rec in self.view().values())
-            if count >= n or time.monotonic() >= deadline:
+            if count >= n or time.monotonic() >= deadline or self._stop.wait(0.2):
                 return count
-            time.sleep(0.2)
 
     def state_servers(self, prefer, admits) -> list[str]:
         """The active server peers of a fresh view (only those of ``prefer``, if given) that
-        ``admits(peer)`` accepts, the most advanced first: the peers to download state from."""
+        ``admits(peer)`` accepts, those in sync first, then the most advanced: the peers to
+        download state from."""
         self.refresh()
         view = self.view()
         candidates = [
@@ -114,23 +129,30 @@ class Membership:
             for p in (prefer or view)
             if p in view and view[p].state == ACTIVE and not view[p].client and admits(p)
         ]
-        candidates.sort(key=lambda p: -view[p].step)
+        candidates.sort(key=lambda p: (not view[p].in_sync, -view[p].step))
         return candidates
 
     def publish_checksum(self, step: int, checksum: str) -> None:
         key = f"{self.run_id}.checksum.{int(step)}"
-        self._call(self.dht.store, key, str(checksum), get_dht_time() + 10 * self.ttl_s, subkey=self.peer_id)
+        self._store(key, str(checksum).encode(), get_dht_time() + 10 * self.ttl_s)
 
     def checksums(self, step: int) -> dict[str, str]:
-        found = self._call(self.dht.get, f"{self.run_id}.checksum.{int(step)}", latest=True)
-        if found is None or not isinstance(found.value, dict):
+        """The checksums the peers reported after ``step``, each signed by its peer."""
+        records = self._signed(f"{self.run_id}.checksum.{int(step)}")
+        if records is FAILED:
             return {}
-        return {str(p): v.value for p, v in found.value.items() if isinstance(getattr(v, "value", None), str)}
+        out = {}
+        for peer, (body, _) in records.items():
+            try:
+                out[peer] = body.decode("ascii")
+            except UnicodeDecodeError:
+                continue
+        return out
 
-    def compare_checksum(self, step: int, checksum: str) -> list[str] | None:
+    def compare_checksum(self, step: int, checksum: str, admits=lambda peer: True) -> list[str] | None:
         """``None`` when this peer's ``checksum`` agrees with the majority of the reports for ``step``
-        (or there is none); else the majority's peers."""
-        reports = self.checksums(step)
+        of the peers ``admits`` accepts (or there is none); else the majority's peers."""
+        reports = {p: c for p, c in self.checksums(step).items() if admits(p)}
         reports[self.peer_id] = checksum
         value, holders = majority(reports)
         return None if value is None or value == checksum else holders
@@ -140,13 +162,33 @@ class Membership:
             self.beat()
             self.refresh()
 
+    def _store(self, key: str, body: bytes, expiration: float) -> None:
+        value = self.signer.sign(key, body, expiration)
+        self._call(self.dht.store, key, value, expiration, subkey=subkey_of(self.peer_id))
+
+    def _signed(self, key: str):
+        """``{peer: (body, expiration)}`` of the records under ``key`` that their peer signed, or
+        ``FAILED`` when the DHT did not answer."""
+        found = self._call(self.dht.get, key, latest=True)
+        if found is FAILED:
+            return FAILED
+        records = {}
+        if found is not None and isinstance(found.value, dict):
+            kid = key_id(key)
+            for subkey, item in found.value.items():
+                value, expires = getattr(item, "value", None), getattr(item, "expiration_time", None)
+                body = verify(kid, subkey, value, expires) if isinstance(expires, float) else None
+                if body is not None:
+                    records[subkey.split(":", 1)[1]] = (body, expires)
+        return records
+
     def _call(self, fn, *args, **kwargs):
         # every DHT call is bounded: a stalled DHT must not stall training
         try:
             return fn(*args, return_future=True, **kwargs).result(timeout=self.dht_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a missed heartbeat is retried on the next beat
             logger.warning("DHT %s failed: %s: %s", fn.__name__, type(exc).__name__, exc)
-            return None
+            return FAILED
 
 
 def check_heartbeat(heartbeat_s: float, ttl_s: float) -> None:
@@ -155,14 +197,18 @@ def check_heartbeat(heartbeat_s: float, ttl_s: float) -> None:
         raise ValueError(f"Invalid heartbeat: heartbeat_s={heartbeat_s} must be > 0 and < ttl_s={ttl_s}")
 
 
-def _parse_record(value) -> PeerRecord | None:
-    # records come from strangers: anything malformed is ignored, not trusted
+def _parse_record(body: bytes, expires: float) -> PeerRecord | None:
+    # a signed record still comes from a stranger: anything malformed is ignored, not trusted
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
     if not isinstance(value, dict):
         return None
-    state, client, step = value.get("state"), value.get("client"), value.get("step")
+    state, client, step, in_sync = (value.get(k) for k in ("state", "client", "step", "in_sync"))
     if state not in (ACTIVE, JOINING, LEFT) or not isinstance(client, bool) or not isinstance(step, int):
         return None
-    return PeerRecord(state, client, step)
+    return PeerRecord(state, client, step, in_sync is not False, expires)
 
 
 def majority(checksums: dict[str, str]) -> tuple[str | None, list[str]]:

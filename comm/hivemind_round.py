@@ -1,5 +1,5 @@
 """The hivemind backend's book of rounds: one ``Round`` per step in flight, which steps are finished,
-the next step to start, and the results of the last ``log_rounds`` rounds (served to late peers).
+and the next step to start.
 
 Everything here is touched on the backend's event loop only, except ``RoundBook.next``, which the
 training thread advances when it starts a round, and ``out_of_sync``, which the program may set.
@@ -52,11 +52,9 @@ class Round:
 class RoundBook:
     """Every round of one backend, from the one it starts next down to the oldest one it logged."""
 
-    def __init__(self, log_rounds: int):
-        self.log_rounds = log_rounds
+    def __init__(self):
         self.rounds: dict[int, Round] = {}
         self.finished: set[int] = set()  # finished steps at or above ``low``
-        self.log: dict[int, list[tuple[str, bytes]]] = {}  # step -> the (peer, payload) it applied
         self.low = 0  # every step below it is finished
         self.next = 0  # the step this peer starts next
         self.out_of_sync = False  # set when a round could not be completed like the others did it
@@ -73,11 +71,8 @@ class RoundBook:
     def is_late(self, step: int) -> bool:
         return step < self.low or step in self.finished
 
-    def finish(self, r: Round, result: list[tuple[str, bytes]]) -> None:
-        """Log ``result`` as step ``r.step``'s, drop what is over, wake whatever waits on ``r``."""
-        self.log[r.step] = result
-        for old in [s for s in self.log if s <= r.step - self.log_rounds]:
-            del self.log[old]
+    def finish(self, r: Round) -> None:
+        """Mark step ``r.step`` finished, drop what is over, wake whatever waits on ``r``."""
         self.finished.add(r.step)
         while self.low in self.finished:
             self.finished.discard(self.low)
@@ -93,9 +88,13 @@ class RoundBook:
                 t.cancel()
 
     def reset(self, step: int) -> None:
-        """Start over at ``step`` (after a state download): no round in flight, nothing logged."""
-        self.cancel_tasks()
-        self.rounds.clear()
+        """Start over at ``step`` (after a state download). Rounds before it are dropped; a round at
+        or after it that a peer already opened a stream for is kept: the peers that will wait for
+        this one there may have contacted it while it was still downloading."""
+        for s, r in list(self.rounds.items()):
+            if s < step or r.own_ready.is_set():
+                for t in r.tasks:
+                    t.cancel()
+                del self.rounds[s]
         self.finished.clear()
-        self.log.clear()
         self.low = self.next = step

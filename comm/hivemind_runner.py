@@ -1,9 +1,9 @@
-"""One round of the hivemind backend, phase by phase: gather, agree, and (rarely) adopt.
+"""One round of the hivemind backend, phase by phase: gather, then agree.
 
 ``hivemind_backend``'s module docstring describes the phases; here they are in order, in
-``RoundRunner._phases``. The streams that move the bytes are ``GatherStreams``; adopting another
-peer's result goes through ``CatchUp``; the rule that turns votes into contributors is
-``hivemind_wire.agree``.
+``RoundRunner._phases``. The streams that move the bytes are ``GatherStreams``; the rule that turns
+votes into contributors is ``hivemind_wire.agree``. Nothing another peer relays is applied: every
+payload of a result came from its sender's own stream and passed this peer's validator.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 from . import hivemind_wire as wire
 from .base import CommStats
 from .hivemind_admission import Admission
-from .hivemind_catchup import CatchUp
 from .hivemind_membership import ACTIVE, Membership
 from .hivemind_round import Round, RoundBook
 from .hivemind_settings import VOTE_FRACTION, Settings
@@ -35,13 +34,12 @@ class RoundRunner:
         admission: Admission,
         membership: Membership,
         streams: GatherStreams,
-        catchup: CatchUp,
         stats: CommStats,
         loop: asyncio.AbstractEventLoop,
     ):
         self.settings, self.peer_id = settings, peer_id
         self.book, self.admission, self.membership = book, admission, membership
-        self.streams, self.catchup, self.stats, self.loop = streams, catchup, stats, loop
+        self.streams, self.stats, self.loop = streams, stats, loop
 
     async def run(self, step: int, payload: bytes) -> list[tuple[str, bytes]]:
         """Round ``step`` with our ``payload``: the (peer, payload) pairs to apply, sorted by peer id."""
@@ -49,7 +47,7 @@ class RoundRunner:
         try:
             return await self._phases(r, payload)
         finally:
-            if not r.finished.is_set():  # cancelled or failed: still close the round, or it blocks the log
+            if not r.finished.is_set():  # cancelled or failed: close it still, or it holds back `low`
                 self._finish(r, [])
 
     async def _phases(self, r: Round, payload: bytes) -> list[tuple[str, bytes]]:
@@ -78,16 +76,15 @@ class RoundRunner:
             )
 
         await r.wait_until(gathered, r.gather_deadline)
-        late = sorted(p for p in r.late if self.admission.admits(p))
-        if not r.payloads and late:
-            # everyone we reached has finished this step already: we are behind, take their result
-            result = await self.catchup.adopt(r, late)
-            if result is None:
-                logger.warning(
-                    "step %d finished without this peer and no peer served its log: out of sync", step
-                )
-                self.book.out_of_sync = True
-            return self._finish(r, result or [])
+        behind = sorted(p for p in r.late if p not in r.payloads and self.admission.admits(p))
+        if behind:
+            # a peer finished this step without us and we never got its payload: we cannot apply what
+            # it applied. Abstain (our vote would make the peers holding our payload drop the ones
+            # we miss, which those who finished never dropped) and reload state afterwards.
+            logger.warning("step %d finished without this peer at %s: out of sync", step, _short(behind))
+            self.book.out_of_sync = True
+            r.phase1.set()
+            return self._finish(r, [])
 
         # 2. agree: vote the digests we hold to every peer whose payload we hold, wait for their votes
         held = {p: wire.digest(p, b) for p, b in [(self.peer_id, payload), *r.payloads.items()]}
@@ -95,37 +92,20 @@ class RoundRunner:
         r.phase1.set()
         await r.wait_until(lambda: all(p in r.vote_done for p in r.payloads), r.vote_deadline)
         votes = {p: v for p, v in r.votes.items() if p in r.payloads}
+        # a vote can only take payloads out; digests in it that we do not hold are claims we cannot
+        # check, and count for nothing
         agreed = wire.agree(held, votes)
         result = [(p, payload if p == self.peer_id else r.payloads[p]) for p in agreed]
-
-        # 3. adopt: a voter that holds payloads we never received counted votes we could not see:
-        # its contributor set is the better-informed one, so apply that (see hivemind_wire.agree)
-        informed = wire.better_informed(held, votes)
-        if informed:
-            adopted = await self.catchup.adopt(r, informed)
-            if adopted is None:
-                logger.warning("step %d: could not adopt a better-informed peer's contributors", step)
-            result = adopted if adopted is not None else result
-        logger.debug(
-            "step %d held %s, votes of %s -> %s",
-            step,
-            _short(held),
-            _short(votes),
-            [_short1(p) for p, _ in result],
-        )
+        logger.debug("step %d held %s, votes of %s -> %s", step, _short(held), _short(votes), _short(agreed))
         return self._finish(r, result)
 
     def _finish(self, r: Round, result):
-        self.book.finish(r, result)
+        self.book.finish(r)
         # give votes in flight a moment to leave, then drop whatever still waits on this round
         self.loop.call_later(1.0, lambda: [t.cancel() for t in r.tasks])
         self.stats.record(0, 0)  # one more collective; its bytes were counted as they crossed
         return result
 
 
-def _short1(peer: str) -> str:
-    return peer[-6:]
-
-
-def _short(held: dict) -> list[str]:
-    return sorted(_short1(p) for p in held)
+def _short(peers) -> list[str]:
+    return sorted(p[-6:] for p in peers)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .hivemind_membership import check_heartbeat
 
-VOTE_FRACTION = 0.8  # votes are awaited until 0.8 of the step deadline; the rest is for adopting a log
+VOTE_FRACTION = 0.8  # votes are awaited until 0.8 of the step deadline; the rest lets the last ones arrive
 RUN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -24,17 +24,16 @@ class Settings:
     max_peers: int
     max_state_nbytes: int
     state_timeout_s: float
-    log_rounds: int
     startup_timeout_s: float
 
     def protocol(self, name: str) -> str:
-        """The libp2p protocol of this run's ``name`` streams (``gather``, ``log`` or ``state``)."""
+        """The libp2p protocol of this run's ``name`` streams (``gather`` or ``state``)."""
         return f"distro/{self.run_id}/{name}"
 
 
 def check_settings(
     run_id, *, step_timeout_s, gather_fraction, exclude_s, heartbeat_s, ttl_s, max_peers,
-    max_state_nbytes, state_timeout_s, log_rounds, startup_timeout_s,
+    max_state_nbytes, state_timeout_s, startup_timeout_s,
 ) -> None:
     """Refuse bad settings before anything starts: a refusal after the DHT started would leak it."""
     if not isinstance(run_id, str) or not RUN_ID.match(run_id):
@@ -51,9 +50,7 @@ def check_settings(
             raise ValueError(f"Invalid {name}: {seconds!r} (expected a number of seconds > 0)")
     if not exclude_s >= 0:
         raise ValueError(f"Invalid exclude_s: {exclude_s!r} (expected a number of seconds >= 0)")
-    # log_rounds >= 1: a log of 0 rounds drops each round as it ends, so no late peer could catch up
-    for name, count, least in (("max_peers", max_peers, 1), ("log_rounds", log_rounds, 1),
-                               ("max_state_nbytes", max_state_nbytes, 0)):
+    for name, count, least in (("max_peers", max_peers, 1), ("max_state_nbytes", max_state_nbytes, 0)):
         if not isinstance(count, int) or isinstance(count, bool) or count < least:
             raise ValueError(f"Invalid {name}: {count!r} (expected an int >= {least})")
 

@@ -7,8 +7,10 @@ Peers are strangers, so nothing received is unpickled (``torch.load``, even with
 
 The JSON header holds the tree (dicts, lists, numbers, strings, bools, None) with every tensor
 replaced by ``{"__tensor__": i}``, and a table ``[{"dtype", "shape", "offset", "nbytes"}]``. Loading
-checks every entry (known dtype, non-negative shape, bytes in bounds and of the right count) before
-it touches the data, and copies each tensor out of the buffer.
+checks every entry (known dtype, non-negative shape, the right byte count) and that the tensors, in
+table order, tile the body exactly (each starts where the previous one ends, the last one ends where
+the blob does) before it allocates anything; so the tensors made never hold more bytes than were
+received, and each is copied out of the buffer.
 """
 
 from __future__ import annotations
@@ -82,11 +84,20 @@ def load_state(data: bytes):
     if not isinstance(table, list):
         raise StateFormatError("state tensor table is not a list")
     body = view[start + hlen :]
-    tensors = [_read_tensor(entry, body, i) for i, entry in enumerate(table)]
+    entries = [_check_entry(entry, i) for i, entry in enumerate(table)]
+    end = 0
+    for i, (_, _, offset, nbytes) in enumerate(entries):
+        if offset != end:
+            raise StateFormatError(f"state tensor {i} does not start where tensor {i - 1} ends")
+        end += nbytes
+    if end != len(body):
+        raise StateFormatError(f"state tensors cover {end} bytes of a {len(body)}-byte body")
+    tensors = [_read_tensor(entry, body) for entry in entries]
     return _fill(skeleton, tensors)
 
 
-def _read_tensor(entry, body: memoryview, i: int) -> torch.Tensor:
+def _check_entry(entry, i: int) -> tuple:
+    """``(dtype, shape, offset, nbytes)`` of table entry ``i``, each checked; nothing allocated."""
     if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
         raise StateFormatError(f"state tensor {i} has an unknown dtype")
     shape, offset, nbytes = entry.get("shape"), entry.get("offset"), entry.get("nbytes")
@@ -101,8 +112,11 @@ def _read_tensor(entry, body: memoryview, i: int) -> torch.Tensor:
         or nbytes != math.prod(shape) * itemsize
     ):
         raise StateFormatError(f"state tensor {i} has inconsistent offset/size")
-    if offset + nbytes > len(body):
-        raise StateFormatError(f"state tensor {i} extends past the end of the blob")
+    return dtype, shape, offset, nbytes
+
+
+def _read_tensor(entry: tuple, body: memoryview) -> torch.Tensor:
+    dtype, shape, offset, nbytes = entry
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     raw = bytearray(body[offset : offset + nbytes])  # a private, writable copy

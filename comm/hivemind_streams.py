@@ -94,7 +94,7 @@ class GatherStreams:
             r.push_over.add(peer)
             r.notify()
             await r.phase1.wait()
-            if r.my_vote:  # empty when the round ended by adopting another peer's result
+            if r.my_vote:  # empty when this peer abstained (it is behind this step)
                 self._count_sent(wire.U32.size + len(r.my_vote))
                 await wire.write_frame(writer, wire.U32, r.my_vote)
 

@@ -8,15 +8,22 @@ Gather stream (one per ordered pair of peers and step; the opener pushes, the ac
     sender   -> VOTE(u32 length | u64 step | sorted 8-byte digests of the payloads it holds)
 
 With ``flags & REPLY`` (a client-mode opener, which cannot accept streams) the acceptor sends its
-own PAYLOAD and VOTE back on the same stream. Every read is bounded in size before it is made:
-a length field above what this peer expects closes the stream without reading the body.
+own PAYLOAD and VOTE back on the same stream. A sender that is behind the step (a peer answered it
+LATE) closes the stream without a VOTE: it abstains.
+
+State stream (a joining peer asks a live one):
+
+    opener   -> STATE_MAGIC
+    acceptor -> STATUS (OK, or MISSING: no state served to this peer now), then STATE(u64 length | blob)
+
+Every read is bounded in size before it is made: a length field above what this peer expects
+closes the stream without reading the body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import struct
 
 GATHER_MAGIC = b"DHG1"
@@ -25,10 +32,8 @@ VERSION = 1
 FLAG_REPLY = 1
 OK, LATE, REJECTED, BAD_SIZE, MISSING = 0, 1, 2, 3, 4
 U32, U64 = struct.Struct(">I"), struct.Struct(">Q")
-LOG_REQUEST = struct.Struct(">4sQ")
-LOG_MAGIC, STATE_MAGIC = b"DHL1", b"DHS1"
+STATE_MAGIC = b"DHS1"
 DIGEST_NBYTES = 8
-MAX_LOG_ENTRY_NBYTES = 96  # a base58 peer id (~52 chars) + a 16-hex digest + JSON punctuation
 
 
 class WireError(ValueError):
@@ -59,21 +64,6 @@ def decode_vote(data: bytes, step: int) -> frozenset[bytes]:
     return frozenset(data[i : i + DIGEST_NBYTES] for i in range(U64.size, len(data), DIGEST_NBYTES))
 
 
-def encode_log(step: int, held: dict[str, bytes]) -> bytes:
-    """Header of a round log: which peers' payloads (in sorted peer order) with which digests."""
-    return json.dumps({"step": int(step), "held": {p: d.hex() for p, d in held.items()}}).encode()
-
-
-def decode_log(data: bytes, step: int) -> dict[str, bytes]:
-    try:
-        log = json.loads(data)
-        held = log["held"] if log["step"] == step else None
-        out = {str(p): bytes.fromhex(d) for p, d in held.items()}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise WireError(f"round log header is malformed or not for step {step}") from None
-    return out
-
-
 def agree(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> list[str]:
     """The contributors of a step: the payloads this peer holds that every vote also holds.
 
@@ -83,20 +73,15 @@ def agree(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> list[st
     the same set of payloads in the same (sorted peer id) order. A payload that reached only some
     peers is dropped everywhere; a sender that sent different payloads to different peers (different
     digests) is dropped too. Votes of peers whose payload is not held are ignored, so a stranger
-    cannot veto by voting alone.
+    cannot veto by voting alone. A vote can only take payloads out: digests in it that this peer does
+    not hold add nothing (nobody's claim to hold a payload makes this peer apply bytes it did not
+    receive and validate itself).
     """
     agreed = dict(held)
     for voter, vote in votes.items():
         if voter in held:
             agreed = {p: d for p, d in agreed.items() if d in vote}
     return sorted(agreed)
-
-
-def better_informed(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> list[str]:
-    """Voters that hold payloads this peer never received. They counted votes this peer could not
-    see, so their contributor set is the one to apply (this peer fetches it from their round log)."""
-    mine = set(held.values())
-    return sorted(q for q, vote in votes.items() if q in held and not vote <= mine)
 
 
 async def read_frame(

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -23,8 +24,8 @@ STEP_TIMEOUT_S = 2.0
 def dhts_fixture(n: int):
     """A module-scoped pytest fixture of ``start_dhts(n)``, shut down after the module's tests."""
     @pytest.fixture(scope="module")
-    def dhts():
-        nodes = start_dhts(n)
+    def dhts(tmp_path_factory):
+        nodes = start_dhts(n, tmp_path_factory.mktemp("identities"))
         yield nodes
         for dht in nodes:
             dht.shutdown()
@@ -32,17 +33,20 @@ def dhts_fixture(n: int):
     return dhts
 
 
-def start_dhts(n: int) -> list:
-    """``n`` DHT nodes on loopback, all bootstrapped from the first (shut them down when done)."""
+def start_dhts(n: int, identities) -> list:
+    """``n`` DHT nodes on loopback, all bootstrapped from the first (shut them down when done); node
+    ``i`` has the libp2p identity ``identities/i.key`` (written by hivemind), which a backend on it
+    signs its records with."""
     options = dht_options([LOOPBACK], None)  # what a HivemindBackend would start with
-    first = hivemind.DHT(start=True, host_maddrs=[LOOPBACK], **options)
+
+    def node(i, **kwargs):
+        path = str(Path(identities) / f"{i}.key")
+        return hivemind.DHT(start=True, host_maddrs=[LOOPBACK], identity_path=path, **options, **kwargs)
+
+    first = node(0)
     maddrs = [str(m) for m in first.get_visible_maddrs()]
     assert all(m.startswith("/ip4/127.0.0.1/") for m in maddrs)
-    others = [
-        hivemind.DHT(start=True, host_maddrs=[LOOPBACK], initial_peers=maddrs, **options)
-        for _ in range(n - 1)
-    ]
-    return [first, *others]
+    return [first, *(node(i, initial_peers=maddrs) for i in range(1, n))]
 
 
 @contextmanager

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
-def dht():
-    (node,) = local.start_dhts(1)
+def dht(tmp_path_factory):
+    (node,) = local.start_dhts(1, tmp_path_factory.mktemp("identity"))
     yield node
     node.shutdown()
 
