@@ -70,7 +70,7 @@ def payload_validator(opt):
 
 def train(args, task, backend, after_step=None) -> int:
     """Build the model and optimizer on ``backend``, train, write the outputs; close the backend.
-    ``after_step(step, model)``, if given, runs after each optimizer step, before the replica checks:
+    ``after_step(step, model)``, if given, runs at the end of each step, after the replica checks:
     where a test slows a peer down or makes its replica diverge."""
     try:
         task, model, opt = build(args, backend, task)
@@ -108,13 +108,13 @@ def train(args, task, backend, after_step=None) -> int:
             summary["steps"].append(
                 {"step": step, "loss": loss.item(), "peers": backend.world_size, "gather_s": gather_s}
             )
-            if after_step is not None:
-                after_step(step, model)
             if backend.out_of_sync:
                 resync(backend, model, opt, summary)
                 published.clear()  # checksums of the replica we just replaced compare nothing
             elif args.checksum_every:
                 check_replica(backend, model, opt, step, args.checksum_every, published, summary)
+            if after_step is not None:
+                after_step(step, model)
         summary.update(
             final_step=backend.step,
             checksum=checksum(model),
