@@ -313,8 +313,16 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
-    """(config, metric rows, job results) of a run directory."""
+    """(config, metric rows, job results) of a run directory. A directory the runner did not write
+    (missing, or without its config.json) is a FileNotFoundError saying what to point at."""
     run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        what = "does not exist" if not run_dir.exists() else "holds no config.json"
+        raise FileNotFoundError(
+            f"{run_dir} {what}: it is not a run directory of the experiment runner. Make one with "
+            "`python -m experiments.run --preset smoke --arms adamw,distro --out DIR` and point at DIR "
+            "(the notebook reads DISTRO_OPT_RUN)"
+        )
     config = json.loads((run_dir / "config.json").read_text())
     results = {}
     for f in sorted((run_dir / "results").glob("*.json")):

@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         preset = apply_overrides(get_preset(args.preset), args)
+        arms = parse_arms(preset.arms)  # first: what was typed, before what the preset brings
         preset.validate()
-        arms = parse_arms(preset.arms)
         for arm in arms:
             check_arm(arm, preset)
     except ValueError as exc:

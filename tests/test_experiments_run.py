@@ -440,6 +440,13 @@ def test_demo_and_option_arms_report_their_own_payload(corpus, tmp_path):
     assert demo["bytes_match_formula"] and distro["bytes_match_formula"]
 
 
+def test_a_bad_arm_is_reported_before_the_presets_own_settings(tmp_path, capsys):
+    # --steps 2 also leaves the preset's warm-up (30 steps) invalid: the arm the user typed comes first
+    assert run.main(["--steps", "2", "--arms", "bogus", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown arm 'bogus'" in err and "warmup" not in err
+
+
 def test_resume_without_a_run_is_an_error(corpus, tmp_path, capsys):
     assert run.main(tiny_args(corpus, tmp_path / "none", extra=("--resume",))) == 2
     assert "nothing to resume" in capsys.readouterr().err

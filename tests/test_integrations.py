@@ -9,6 +9,9 @@ per step would send), and nothing warned.
 """
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import runpy
 from pathlib import Path
 
@@ -105,3 +108,18 @@ def test_ddp_beside_distro_opt_warns_once_unless_its_all_reduce_is_off(tmp_path)
         assert len(phases["synced"]) == 1 and "wrapped in DistributedDataParallel" in phases["synced"][0]
         assert "model.no_sync()" in phases["synced"][0]
         assert phases["no_sync"] == [] and phases["own_group"] == []
+
+
+def test_the_docs_page_shows_each_example_file_as_it_is():
+    page = (EXAMPLES.parent / "integrations.md").read_text()
+    shown = dict(re.findall(r"<!-- docs/examples/(\S+) -->\n```python\n(.*?)```\n", page, flags=re.S))
+    assert sorted(shown) == sorted(p.name for p in EXAMPLES.glob("*.py"))
+    for name, code in shown.items():
+        assert code == (EXAMPLES / name).read_text(), name
+
+
+def test_transformers_and_accelerate_are_imported_only_by_their_integrations():
+    code = ("import sys, distro_opt, distro_opt.comm, distro_opt.integrations\n"
+            "print(sorted({'transformers', 'accelerate'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
