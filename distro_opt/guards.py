@@ -1,4 +1,9 @@
-"""Set-ups that run but do not train what the user meant, caught when training starts.
+"""Set-ups that run but do not train what the user meant, caught when training starts
+(``TrainingStart``, one per optimizer).
+
+* Which backend. ``comm=None`` is resolved at the first step (or the first read of ``opt.comm``),
+  not at construction: trainers build the optimizer before they start the process group.
+* A DDP or FSDP1 wrapper all-reducing the same gradients: warned of once (``wrappers.py``).
 
 * Replicas that differ. Every worker applies the same aggregated update, so workers that start from
   different parameters (a per-rank seed, a checkpoint loaded on one rank only) train different
@@ -16,11 +21,54 @@ import hashlib
 
 import torch
 
+from distro_opt.comm import Backend, CommStats, check_comm, resolve_backend
 from distro_opt.comm.base import warn_at_caller
 
-from . import shards
+from . import shards, wrappers
 
 CHECKSUM_NBYTES = 8  # what each worker contributes to the replica check
+
+
+class TrainingStart:
+    """An optimizer's backend, resolved at first use, and the checks due when training starts.
+
+    ``comm``/``process_group``: as the optimizer was given them (checked now: a wrong type fails at
+    construction). A backend this did not build (``None``, a ``ProcessGroup``) that turns out to be a
+    world of one gets the single-worker notice when it is resolved; a ``Backend`` the user built is
+    taken as meant."""
+
+    def __init__(self, optimizer_name: str, comm=None, process_group=None):
+        target = check_comm(comm, process_group)
+        self._name = optimizer_name
+        self._target = target
+        self._backend: Backend | None = target if isinstance(target, Backend) else None
+        self.replica_check_stats = CommStats()
+        self.replicas_due = True  # at the first step, and again after each load_state_dict
+        self._wrappers_due = True  # at the first step only
+
+    def backend(self, layout) -> Backend:
+        """The backend; ``layout()`` gives the payload layout, read only for the notice."""
+        if self._backend is None:
+            self._backend = resolve_backend(self._target)
+            if self._backend.world_size == 1:
+                notice_single_worker(self._name, layout())
+        return self._backend
+
+    @property
+    def checks_due(self) -> bool:
+        return self.replicas_due or self._wrappers_due
+
+    def check(self, comm: Backend, params, replicas) -> None:
+        """With several workers: warn of a wrapper all-reducing ``params``' gradients (once), and
+        compare ``replicas`` (the parameters, or what the workers agree on in their place) where the
+        backend asks for it. Nothing is sent with one worker."""
+        if comm.world_size > 1 and self._wrappers_due:
+            found = wrappers.gradient_syncing_wrappers(params, comm)
+            if found:
+                warn_at_caller(wrappers.warning_text(found, self._name))
+        if comm.world_size > 1 and self.replicas_due and comm.compares_replicas:
+            check_replicas(comm, replicas, self.replica_check_stats)
+        self._wrappers_due = self.replicas_due = False
 
 
 def parameter_checksum(params) -> bytes:

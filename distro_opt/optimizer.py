@@ -17,10 +17,9 @@ import time
 
 import torch
 
-from distro_opt.comm import Backend, CommStats, check_comm, resolve_backend
-from distro_opt.comm.base import warn_at_caller
+from distro_opt.comm import Backend, CommStats
 
-from . import checkpoint, guards, shards, wrappers
+from . import checkpoint, guards, shards
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
 from .step import apply_update, check_inputs, compress, decode_payloads, momentum_state
@@ -72,15 +71,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults, comm=None, process_group=None, overlap=False):
         super().__init__(params, defaults)
         self._layouts: dict[tuple, PayloadLayout] = {}
-        target = check_comm(comm, process_group)
-        # comm=None is resolved when first needed (``comm``): trainers build the optimizer before
-        # they initialize the process group
-        self._comm: Backend | None = None
-        if target is not None:
-            self._set_comm(resolve_backend(target), notice=not isinstance(target, Backend))
-        self.replica_check_stats = CommStats()  # what the replica checks (``guards.py``) moved
-        self._replicas_unchecked = True
-        self._wrappers_unchecked = True
+        self._start = guards.TrainingStart(type(self).__name__, comm, process_group)
         self.overlap = bool(overlap)
         self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
         self._stacks = MomentumStacks(DCTTransform())
@@ -129,32 +120,15 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     # -- communication --------------------------------------------------------------------------
     @property
     def comm(self) -> Backend:
-        """The communication backend. ``comm=None`` is resolved here, at the first step or the first
-        read of this attribute: torch.distributed's default group if it is initialized by then, else
-        a single worker (``distro_opt.comm.resolve_backend``)."""
-        if self._comm is None:
-            self._set_comm(resolve_backend(None), notice=True)
-        return self._comm
+        """The communication backend. ``comm=None`` is resolved at the first step or the first read
+        of this attribute: torch.distributed's default group if it is initialized by then, else a
+        single worker (``guards.TrainingStart``)."""
+        return self._start.backend(lambda: self.payload_layout)
 
-    def _set_comm(self, backend: Backend, notice: bool) -> None:
-        """``notice``: a backend the user did not build (None, a ProcessGroup) gets the single-worker
-        notice of ``guards.py`` when it is a world of one."""
-        self._comm = backend
-        if notice and backend.world_size == 1:
-            guards.notice_single_worker(type(self).__name__, self.payload_layout)
-
-    def _start_checks(self, comm: Backend, entries) -> None:
-        """Once: warn of a DDP/FSDP1 wrapper all-reducing these gradients (``wrappers.py``); at the
-        first step and after ``load_state_dict``: compare the replicas (``guards.py``), by their
-        anchors where the local-step mode keeps them (the model the workers agree on)."""
-        if comm.world_size > 1 and self._wrappers_unchecked:
-            found = wrappers.gradient_syncing_wrappers([p for _, p in entries], comm)
-            if found:
-                warn_at_caller(wrappers.warning_text(found, type(self).__name__))
-        if comm.world_size > 1 and self._replicas_unchecked and comm.compares_replicas:
-            replicas = [self.state.get(p, {}).get("anchor", p) for _, p in entries]
-            guards.check_replicas(comm, replicas, self.replica_check_stats)
-        self._wrappers_unchecked = self._replicas_unchecked = False
+    @property
+    def replica_check_stats(self) -> CommStats:
+        """The bytes and collectives of the replica checks (``guards.py``), also in ``comm.stats``."""
+        return self._start.replica_check_stats
 
     # -- layout ----------------------------------------------------------------------------------
     def _entries(self):
@@ -198,8 +172,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _step(self) -> None:
         t0 = time.perf_counter()
         entries = self._entries()
-        if self._replicas_unchecked or self._wrappers_unchecked:
-            self._start_checks(self.comm, entries)
+        if self._start.checks_due:  # the replicas are compared by their anchors in the local-step mode
+            replicas = [self.state.get(p, {}).get("anchor", p) for _, p in entries]
+            self._start.check(self.comm, [p for _, p in entries], replicas)
         if not self._source.communicates(self, entries):  # a local step: nothing to send
             self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
             return
@@ -323,7 +298,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         )
         super().load_state_dict(state_dict)
         self._pending = None  # only once the load succeeded: a refused one keeps the update in flight
-        self._replicas_unchecked = True  # a checkpoint loaded on one rank only would split the replicas
+        self._start.replicas_due = True  # a checkpoint loaded on one rank only would split the replicas
         self._stacks.reset()  # the loaded momentum may be views of these; start from fresh buffers
         checkpoint.restore_loaded(self.state, state_dict, params, row_deltas)
         self._source.load_state_dict(inner)
