@@ -12,6 +12,10 @@ whether its last forward armed a gradient all-reduce: DDP's ``require_forward_pa
 forward sets outside ``no_sync()`` and clears inside it; FSDP1's ``_sync_gradients``, cleared by its
 ``no_sync()``. A wrapper whose group shares no other rank with distro-opt's (DDP inside a node,
 distro-opt between nodes) is the intended hybrid and is left alone.
+
+FSDP1 restores ``_sync_gradients`` when its ``no_sync()`` block ends, so a backward run inside that
+block and a step taken after it still reads as reducing (a warning it did not need); DDP's flag
+lasts until the next forward and has no such gap.
 """
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""DisTrOAdamW beside a DistributedDataParallel model, three ways (run by tests/_example_rank.py on 2
-ranks). ``PHASES`` holds the distro-opt warnings of each: DDP all-reducing the gradients (one
-warning), the same under ``no_sync()`` (none), and DDP over a group of this rank alone, which shares
-no peer with distro-opt's group (none: the intended hybrid)."""
+"""DisTrOAdamW beside a DistributedDataParallel model, three ways, and beside FSDP1 (run by
+tests/_example_rank.py on 2 ranks). ``PHASES`` holds the distro-opt warnings of each: DDP
+all-reducing the gradients (one warning), the same under ``no_sync()`` (none), DDP over a group of
+this rank alone, which shares no peer with distro-opt's group (none: the intended hybrid), and FSDP1
+reducing the gradients (one warning)."""
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from distro_opt import DisTrOAdamW
@@ -38,5 +40,7 @@ PHASES = {
     "synced": train_and_warn(DistributedDataParallel(model())),
     "no_sync": train_and_warn(DistributedDataParallel(model()), no_sync=True),
     "own_group": train_and_warn(DistributedDataParallel(model(), process_group=own_groups[dist.get_rank()])),
+    "fsdp1": train_and_warn(FullyShardedDataParallel(
+        model(), sharding_strategy=ShardingStrategy.NO_SHARD, device_id=torch.device("cpu"), use_orig_params=True)),
 }
 dist.destroy_process_group()

@@ -101,13 +101,14 @@ def test_plain_loop_example_trains_four_in_process_workers_alike(capsys):
     assert "worker 3: loss" in capsys.readouterr().out
 
 
-def test_ddp_beside_distro_opt_warns_once_unless_its_all_reduce_is_off(tmp_path):
+def test_ddp_or_fsdp1_beside_distro_opt_warns_once_unless_its_all_reduce_is_off(tmp_path):
     results, codes = launch_script(DDP_SCRIPT, 2, tmp_path)
     for rank in expect_success(results, codes, tmp_path):
         phases = rank["example"]["phases"]
         assert len(phases["synced"]) == 1 and "wrapped in DistributedDataParallel" in phases["synced"][0]
         assert "model.no_sync()" in phases["synced"][0]
         assert phases["no_sync"] == [] and phases["own_group"] == []
+        assert len(phases["fsdp1"]) == 1 and "wrapped in FullyShardedDataParallel" in phases["fsdp1"][0]
 
 
 def test_the_docs_page_shows_each_example_file_as_it_is():
@@ -123,3 +124,18 @@ def test_transformers_and_accelerate_are_imported_only_by_their_integrations():
             "print(sorted({'transformers', 'accelerate'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_without_ddp_prepares_models_unwrapped_and_refuses_set_ups_that_reduce_gradients_themselves():
+    from types import SimpleNamespace
+
+    from distro_opt.integrations.accelerate import without_ddp
+
+    calls = []
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name="MULTI_CPU"),
+                                  prepare_model=lambda model, **kw: calls.append(kw) or model)
+    without_ddp(accelerator).prepare_model("model")
+    assert calls == [{"device_placement": None, "evaluation_mode": True}]  # accelerate's way to skip DDP
+    for kind in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(ValueError, match=f"set up for {kind}"):
+            without_ddp(SimpleNamespace(distributed_type=SimpleNamespace(name=kind), prepare_model=None))
