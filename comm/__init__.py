@@ -10,7 +10,9 @@ if __name__ == "comm":  # pragma: no cover - guards a packaging mistake, see the
         "from outside the repository root, or with 'pytest' rather than 'python -m pytest'."
     )
 
-from .base import Backend, CommStats, PendingGather, SingleWorkerBackend
+import os
+
+from .base import Backend, CommStats, PendingGather, SingleWorkerBackend, warn_at_caller
 from .inprocess import InProcessBackend, InProcessGroupError
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "SingleWorkerBackend",
     "InProcessBackend",
     "InProcessGroupError",
+    "check_comm",
     "resolve_backend",
     "TorchDistributedBackend",
     "HivemindBackend",
@@ -41,30 +44,59 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def resolve_backend(comm=None, process_group=None) -> Backend:
-    """Turn what a user passed as ``comm=`` (or ``process_group=``) into a ``Backend``.
-
-    ``None``: torch.distributed's default group when it is initialized, else a single worker.
-    A ``Backend`` is used as it is; a torch.distributed ``ProcessGroup`` is wrapped.
-    """
+def check_comm(comm=None, process_group=None):
+    """What a user passed as ``comm=`` (or ``process_group=``), checked: a ``Backend``, a
+    torch.distributed ``ProcessGroup``, or ``None`` (the default group, looked up only when the
+    optimizer first needs it: see ``resolve_backend``). Anything else raises ``TypeError`` here,
+    at construction, rather than at the first step."""
     if comm is not None and process_group is not None:
         raise ValueError("Pass either comm= or process_group=, not both")
     target = comm if comm is not None else process_group
-    if isinstance(target, Backend):
+    if target is None or isinstance(target, Backend):
         return target
     import torch.distributed as dist
 
-    if target is None:
-        if dist.is_available() and dist.is_initialized():
-            from .torch_backend import TorchDistributedBackend
-
-            return TorchDistributedBackend()
-        return SingleWorkerBackend()
     if dist.is_available() and isinstance(target, dist.ProcessGroup):
-        from .torch_backend import TorchDistributedBackend
-
-        return TorchDistributedBackend(group=target)
+        return target
     raise TypeError(
         f"Invalid comm: {type(target).__name__} (expected None, a distro_opt.comm.Backend "
         "or a torch.distributed ProcessGroup)"
     )
+
+
+def resolve_backend(comm=None, process_group=None, environ=None) -> Backend:
+    """Turn what a user passed as ``comm=`` (or ``process_group=``) into a ``Backend``.
+
+    ``None``: torch.distributed's default group when it is initialized, else a single worker.
+    A ``Backend`` is used as it is; a torch.distributed ``ProcessGroup`` is wrapped.
+
+    ``None`` without a group while ``environ`` (default ``os.environ``) says ``WORLD_SIZE`` > 1 (a
+    launcher such as torchrun started several ranks) warns: each rank would train alone.
+    """
+    target = check_comm(comm, process_group)
+    if isinstance(target, Backend):
+        return target
+    import torch.distributed as dist
+
+    from .torch_backend import TorchDistributedBackend
+
+    if target is not None:
+        return TorchDistributedBackend(group=target)
+    if dist.is_available() and dist.is_initialized():
+        return TorchDistributedBackend()
+    _warn_if_launched_as_ranks(os.environ if environ is None else environ)
+    return SingleWorkerBackend()
+
+
+def _warn_if_launched_as_ranks(environ) -> None:
+    try:
+        world_size = int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world_size > 1:
+        warn_at_caller(
+            f"distro-opt: WORLD_SIZE={world_size} but no torch.distributed process group is "
+            "initialized, so this rank trains alone as a single worker and exchanges nothing. Call "
+            "torch.distributed.init_process_group() before the optimizer's first step (or pass comm= "
+            "a backend or ProcessGroup)."
+        )

@@ -6,6 +6,9 @@ payload: decoding and validation belong to the optimizer's wire format (``distro
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -79,6 +82,11 @@ class Backend(ABC):
     rank: int
     world_size: int
     stats: CommStats
+    # True for a fixed world whose workers must hold identical replicas: the optimizer then
+    # all-gathers a parameter checksum through this backend at its first step and after each
+    # load_state_dict, and refuses to train replicas that differ. A backend that keeps replicas in
+    # line its own way (hivemind: checksums in the DHT, state downloads) leaves it False.
+    compares_replicas: bool = False
 
     @abstractmethod
     def all_gather(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -147,3 +155,19 @@ class SingleWorkerBackend(Backend):
         check_reduce(tensor, op)
         self.stats.record(0, 0)
         return tensor
+
+
+def warn_at_caller(message: str) -> None:
+    """``warnings.warn`` attributed to the first frame outside distro-opt and torch: the user's
+    ``step()`` or ``opt.comm`` line (or the trainer's that called it), which is where the warning
+    filters' once-per-location applies and what the user needs to see."""
+    import distro_opt
+
+    inside = tuple(
+        os.path.dirname(os.path.abspath(path)) + os.sep
+        for path in (__file__, distro_opt.__file__, torch.__file__)
+    )
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)

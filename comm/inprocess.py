@@ -100,6 +100,8 @@ class _Exchange:
 class InProcessBackend(Backend):
     """One simulated worker of an in-process group. Make a group with ``InProcessBackend.create``."""
 
+    compares_replicas = True  # a fixed world of replicas (see ``Backend``)
+
     def __init__(self, exchange: _Exchange, rank: int):
         self._exchange = exchange
         self.rank = rank

@@ -66,6 +66,8 @@ class TorchDistributedBackend(Backend):
     for a collective, in seconds (``None``: only the group's own timeout applies).
     """
 
+    compares_replicas = True  # a fixed world of replicas (see ``Backend``)
+
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from distro_opt.comm import resolve_backend
+from distro_opt.comm import Backend, CommStats
 
-from . import checkpoint, shards
+from . import checkpoint, guards, shards
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
 from .step import apply_update, check_inputs, compress, unpack_payloads, momentum_state
@@ -70,12 +70,12 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, comm=None, process_group=None, overlap=False):
         super().__init__(params, defaults)
-        self.comm = resolve_backend(comm, process_group)
+        self._layouts: dict[tuple, PayloadLayout] = {}
+        self._start = guards.TrainingStart(type(self).__name__, comm, process_group)
         self.overlap = bool(overlap)
         self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
         self._stacks = MomentumStacks(DCTTransform())
         self._weight_decay = WeightDecay()
-        self._layouts: dict[tuple, PayloadLayout] = {}
         self._pending = None  # overlap mode: the collective started last step
 
     def __getstate__(self):
@@ -116,6 +116,19 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _update_rule(self, group):
         """The rule (``updates.py``) that applies this group's aggregated direction."""
         raise NotImplementedError
+
+    # -- communication --------------------------------------------------------------------------
+    @property
+    def comm(self) -> Backend:
+        """The communication backend. ``comm=None`` is resolved at the first step or the first read
+        of this attribute: torch.distributed's default group if it is initialized by then, else a
+        single worker (``guards.TrainingStart``)."""
+        return self._start.backend(lambda: self.payload_layout)
+
+    @property
+    def replica_check_stats(self) -> CommStats:
+        """The bytes and collectives of the replica checks (``guards.py``), also in ``comm.stats``."""
+        return self._start.replica_check_stats
 
     # -- layout ----------------------------------------------------------------------------------
     def _entries(self):
@@ -159,6 +172,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _step(self) -> None:
         t0 = time.perf_counter()
         entries = self._entries()
+        if self._start.checks_due:  # the replicas are compared by their anchors in the local-step mode
+            replicas = [self.state.get(p, {}).get("anchor", p) for _, p in entries]
+            self._start.check(self.comm, [p for _, p in entries], replicas)
         if not self._source.communicates(self, entries):  # a local step: nothing to send
             self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
             return
@@ -295,6 +311,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         )
         super().load_state_dict(state_dict)
         self._pending = None  # only once the load succeeded: a refused one keeps the update in flight
+        self._start.replicas_due = True  # a checkpoint loaded on one rank only would split the replicas
         self._stacks.reset()  # the loaded momentum may be views of these; start from fresh buffers
         checkpoint.restore_loaded(self.state, state_dict, params, row_deltas)
         self._source.finish_load(self, taken)

@@ -10,6 +10,10 @@ Byte conventions come from ``CommStats`` only (``distro_opt.comm.base``):
 * vs a ring all-reduce of the bf16 gradient (``ring_all_reduce_bytes``), on bytes sent per worker;
 * vs a naive gather of the bf16 gradient (``naive_all_reduce_bytes``: the DisTrO report's
   31 x 2.4 GB), on bytes received per worker.
+
+The replica checks (``distro_opt.guards``: an all-gather of ``CHECKSUM_NBYTES`` per worker at the
+first step and after each resume) are counted apart from the per-step payload: every per-step figure
+is of the payload stream, and the formula check covers both.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import statistics
 from pathlib import Path
 
 from distro_opt.comm import CommStats
+from distro_opt.guards import CHECKSUM_NBYTES
 
 from .files import write_atomic
 
@@ -149,6 +154,7 @@ def job_summary(rows: list[dict], result: dict) -> dict:
     per_collective = expected_bytes_per_collective(result["kind"], result["payload_nbytes"], world)
     expected_total = per_collective * rows[-1]["collectives"]
     message_per_step = result["payload_nbytes"] * rows[-1]["collectives"] / steps
+    check_bytes = CommStats.all_gather_bytes(CHECKSUM_NBYTES, world)
     val = [r for r in rows if r["val_loss"] is not None]
     steps_rows = [r for r in rows if r["step"] > 0]
     return {
@@ -162,8 +168,12 @@ def job_summary(rows: list[dict], result: dict) -> dict:
         "payload_nbytes": result["payload_nbytes"],
         "expected_sent_bytes": expected_total,
         "bytes_match_formula": all(
-            w["sent"] == expected_total and w["received"] == expected_total for w in result["workers"]
+            w["sent"] == expected_total and w["received"] == expected_total
+            and w.get("check_sent", 0) == w.get("check_received", 0) == w.get("checks", 0) * check_bytes
+            for w in result["workers"]
         ),
+        "replica_checks": result["workers"][0].get("checks", 0),
+        "replica_check_sent_bytes": result["workers"][0].get("check_sent", 0),
         "workers_sent_bytes": [w["sent"] for w in result["workers"]],
         # A backend's own framing (e.g. a length prefix) shows up here; in-process it is 0.
         "sent_minus_formula_bytes_per_step": (sent - expected_total) / steps,
@@ -303,8 +313,16 @@ def write_summary(run_dir: Path, summary: dict) -> None:
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[dict], dict]:
-    """(config, metric rows, job results) of a run directory."""
+    """(config, metric rows, job results) of a run directory. A directory the runner did not write
+    (missing, or without its config.json) is a FileNotFoundError saying what to point at."""
     run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        what = "does not exist" if not run_dir.exists() else "holds no config.json"
+        raise FileNotFoundError(
+            f"{run_dir} {what}: it is not a run directory of the experiment runner. Make one with "
+            "`python -m experiments.run --preset smoke --arms adamw,distro --out DIR` and point at DIR "
+            "(the notebook reads DISTRO_OPT_RUN)"
+        )
     config = json.loads((run_dir / "config.json").read_text())
     results = {}
     for f in sorted((run_dir / "results").glob("*.json")):

@@ -31,7 +31,7 @@ from .data import CorpusError, check_corpus_fits, load_corpus
 from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
-from .train import Job, LossTable, StopSignal, check_resumable, run_worker
+from .train import COUNTERS, Job, LossTable, StopSignal, check_resumable, run_worker
 
 EXIT_INTERRUPTED = 130
 _NOT_IDENTITY = ("torch_threads", "timeout_s")  # how a run executes, not what it measures
@@ -213,7 +213,7 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
         "payload_nbytes": first["payload_nbytes"],
         "n_params": first["n_params"],
         "workers": [
-            {k: w[k] for k in ("rank", "sent", "received", "collectives", "wall_s")} for w in workers
+            {k: w[k] for k in ("rank", *COUNTERS, "wall_s")} for w in workers
         ],
     }
     if first["status"] == "done":
@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         preset = apply_overrides(get_preset(args.preset), args)
+        arms = parse_arms(preset.arms)  # first: what was typed, before what the preset brings
         preset.validate()
-        arms = parse_arms(preset.arms)
         for arm in arms:
             check_arm(arm, preset)
     except ValueError as exc:

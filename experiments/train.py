@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from distro_opt.comm import SingleWorkerBackend
+from distro_opt.comm import CommStats, SingleWorkerBackend
 
 from .arms import Arm, build_optimizer
 from .checkpoint import CheckpointStore
@@ -142,18 +142,26 @@ def _all_reduce_gradients(model, backend) -> float:
     return comm_s
 
 
-def _count_bytes(backend, state: dict, last: tuple, step: int):
-    """Add what ``backend.stats`` counted since ``last`` to the run's cumulative counters."""
-    now = (backend.stats.bytes_sent, backend.stats.bytes_received, backend.stats.steps)
-    sent, received = now[0] - last[0], now[1] - last[1]
-    state = {
-        "step": step,
-        "sent": state["sent"] + sent,
-        "received": state["received"] + received,
-        "collectives": state["collectives"] + now[2] - last[2],
-        "wall_s": state["wall_s"],
-    }
-    return state, sent, received, now
+COUNTERS = ("sent", "received", "collectives", "check_sent", "check_received", "checks")
+
+
+def _counters(backend, opt) -> tuple:
+    """``COUNTERS`` now: the payload stream (what ``backend.stats`` counted, less the replica
+    checks), then the replica checks (``opt.replica_check_stats``, ``distro_opt.guards``), which
+    the byte ledger counts apart: they happen once per start, not per step."""
+    total = backend.stats
+    checks = getattr(opt, "replica_check_stats", None) or CommStats()
+    return (
+        total.bytes_sent - checks.bytes_sent, total.bytes_received - checks.bytes_received,
+        total.steps - checks.steps, checks.bytes_sent, checks.bytes_received, checks.steps,
+    )
+
+
+def _count_bytes(backend, opt, state: dict, last: tuple, step: int):
+    """Add what was counted since ``last`` (``_counters``) to the run's cumulative counters."""
+    now = _counters(backend, opt)
+    state = {**state, "step": step, **{k: state[k] + n - l for k, n, l in zip(COUNTERS, now, last)}}
+    return state, now[0] - last[0], now[1] - last[1], now
 
 
 @torch.no_grad()
@@ -192,9 +200,9 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
     opt = build_optimizer(job.arm, model.named_parameters(), p, backend)
     base_lrs = [g["lr"] for g in opt.param_groups]
     store = CheckpointStore(job.out, job.arm.slug, job.seed, world)
-    state = {"step": 0, "sent": 0, "received": 0, "collectives": 0, "wall_s": 0.0}
+    state = {"step": 0, **dict.fromkeys(COUNTERS, 0), "wall_s": 0.0}
     if job.resume and (step := store.latest_step()) > 0:
-        state = store.restore(step, rank, model, opt)
+        state = {**state, **store.restore(step, rank, model, opt)}
     val = (
         val_batches(job.corpus.val, n_batches=p.eval_batches, batch_size=p.eval_batch_size, seq_len=p.seq_len)
         if rank == 0
@@ -213,7 +221,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
             state=state,
             times=(0.0, 0.0, 0.0, 0.0),
         )
-    last = (backend.stats.bytes_sent, backend.stats.bytes_received, backend.stats.steps)
+    last = _counters(backend, opt)
     status = "done"
     for step in range(state["step"] + 1, p.steps + 1):
         if stop is not None and stop.should_stop(step):
@@ -251,7 +259,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
         if (checkpoint_now or step == p.steps) and hasattr(opt, "flush"):
             # Overlap mode: land the pending update (and count its bytes) before evaluating or saving.
             opt.flush()
-        state, sent, received, last = _count_bytes(backend, state, last, step)
+        state, sent, received, last = _count_bytes(backend, opt, state, last, step)
         train_loss = losses.mean(step, world)
         eval_s, val_loss = 0.0, None
         if rank == 0 and (step % p.eval_every == 0 or step == p.steps):
@@ -284,9 +292,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
         "rank": rank,
         "status": status,
         "step": state["step"],
-        "sent": state["sent"],
-        "received": state["received"],
-        "collectives": state["collectives"],
+        **{k: state[k] for k in COUNTERS},
         "wall_s": state["wall_s"],
         "payload_nbytes": int(payload),
         "n_params": sum(q.numel() for q in model.parameters()),

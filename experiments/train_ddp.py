@@ -267,9 +267,10 @@ PER_RANK = ("save_dir", "resume_dir", "log")  # may differ across ranks (e.g. ea
 
 
 def check_same_start(model: nn.Module) -> None:
-    """Refuse ranks that would start from different parameters: nothing else makes them equal here
-    (DDP broadcasts rank 0's at construction; DisTrOAdamW neither broadcasts nor checks), and every
-    rank applying the same update to different parameters never converges."""
+    """Refuse ranks that would start from different parameters: nothing makes them equal here (DDP
+    broadcasts rank 0's at construction; DisTrOAdamW does not), and every rank applying the same
+    update to different parameters never converges. DisTrOAdamW compares its trainable parameters
+    at its first step; this compares the whole state dict, buffers included, before anything runs."""
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, checksum(model.state_dict()))
     if len(set(seen)) > 1:

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-EXTRAS=${EXTRAS:-p2p,experiments,test}
+EXTRAS=${EXTRAS:-p2p,experiments,hf,test}
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"

@@ -224,6 +224,7 @@ def scenario_fsdp_hybrid(rank, world_size, args):
         "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
         "payload_nbytes": opt.payload_nbytes, "bytes_sent": opt.comm.stats.bytes_sent,
         "steps": opt.comm.stats.steps, "world_size": opt.comm.world_size,
+        "checks": opt.replica_check_stats.steps, "check_sent": opt.replica_check_stats.bytes_sent,
         "state_types": sorted({type(v).__name__ for st in opt.state.values() if isinstance(st, dict)
                                for v in st.values()}),
     }

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import nbformat
 import numpy as np
+import pytest
 from nbclient import NotebookClient
 
 from distro_opt.experiments import data, run
@@ -64,3 +65,13 @@ def test_notebook_shows_the_table_and_plots_of_a_run(tmp_path, monkeypatch):
     assert len(markdown) == 1 and "| adamw |" in markdown[0] and "| distro |" in markdown[0]
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
     assert (out / "val_loss_vs_bytes.png").exists()
+
+
+def test_a_missing_run_directory_says_what_to_point_at(tmp_path):
+    from distro_opt.experiments.metrics import load_run
+
+    for run_dir, what in ((tmp_path / "missing", "does not exist"), (tmp_path, "holds no config.json")):
+        with pytest.raises(FileNotFoundError) as raised:
+            load_run(run_dir)
+        assert f"{run_dir} {what}: it is not a run directory" in str(raised.value)
+        assert "python -m experiments.run" in str(raised.value) and "DISTRO_OPT_RUN" in str(raised.value)

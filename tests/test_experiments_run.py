@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from distro_opt import DisTrOAdamW
+from distro_opt.guards import CHECKSUM_NBYTES
 from distro_opt.comm import CommStats, SingleWorkerBackend
 from distro_opt.comm.torch_backend import DESCRIPTOR_BYTES
 from distro_opt.experiments import run
@@ -261,7 +262,7 @@ def test_result_write_cut_short_leaves_no_result_file(tmp_path, monkeypatch):
     (tmp_path / "results").mkdir()
     (arm,) = parse_arms("adamw")
     worker = {"rank": 0, "status": "done", "payload_nbytes": 4, "n_params": 1, "sent": 0, "received": 0,
-              "collectives": 0, "wall_s": 0.0}
+              "collectives": 0, "check_sent": 0, "check_received": 0, "checks": 0, "wall_s": 0.0}
 
     def cut_short(path, text, *args, **kwargs):  # a kill or a full disk halfway through the write
         with open(path, "w") as f:
@@ -355,6 +356,12 @@ def test_reported_bytes_equal_backend_counters_and_codec_formula(corpus, straigh
         assert summary["arms"][arm]["received_bytes_per_step"] == per_step
         assert [w["sent"] for w in results[f"{arm}-seed0"]["workers"]] == [40 * per_step] * 2
         assert summary["arms"][arm]["bytes_match_formula"] is True
+    # the replica check of the first step, counted apart from the per-step payload
+    check = CommStats.all_gather_bytes(CHECKSUM_NBYTES, 2)
+    assert [(w["checks"], w["check_sent"], w["check_received"]) for w in results["distro-seed0"]["workers"]] == [
+        (1, check, check)
+    ] * 2
+    assert summary["arms"]["distro"]["per_seed"]["0"]["replica_check_sent_bytes"] == check
     assert summary["arms"]["distro"]["compression_vs_dense_bf16"] == pytest.approx(
         2 * n_params / opt.payload_nbytes
     )
@@ -416,6 +423,10 @@ def test_interrupted_overlap_run_resumes_to_the_same_numbers(corpus, tmp_path):
     assert comparable(read_metrics(out / "metrics.jsonl")) == comparable(
         read_metrics(tmp_path / "straight" / "metrics.jsonl")
     )
+    # the resumed workers compared their replicas again: two checks, and the ledger still exact
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["arms"]["distro:overlap=true"]["per_seed"]["0"]["replica_checks"] == 2
+    assert summary["arms"]["distro:overlap=true"]["bytes_match_formula"] is True
 
 
 def test_demo_and_option_arms_report_their_own_payload(corpus, tmp_path):
@@ -427,6 +438,13 @@ def test_demo_and_option_arms_report_their_own_payload(corpus, tmp_path):
     assert demo["sent_bytes_per_step"] == CommStats.all_gather_bytes(demo["payload_nbytes"], 2)
     assert distro["payload_nbytes"] < demo["payload_nbytes"]  # 2-bit values vs DeMo's float32
     assert demo["bytes_match_formula"] and distro["bytes_match_formula"]
+
+
+def test_a_bad_arm_is_reported_before_the_presets_own_settings(tmp_path, capsys):
+    # --steps 2 also leaves the preset's warm-up (30 steps) invalid: the arm the user typed comes first
+    assert run.main(["--steps", "2", "--arms", "bogus", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "Unknown arm 'bogus'" in err and "warmup" not in err
 
 
 def test_resume_without_a_run_is_an_error(corpus, tmp_path, capsys):

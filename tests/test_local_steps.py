@@ -219,7 +219,7 @@ def test_a_grad_scaler_overflow_skips_only_that_inner_step_and_the_interval_is_s
         for t in range(H):  # without a scaler, the same inf skips the same inner step
             step(plain, opt, t, inf=t == bad)
             step(scaled, scaled_opt, t, scaler=scaler, inf=t == bad)
-    assert [str(w.message) for w in caught if "distro-opt" in str(w.message)] == [
+    assert [str(w.message) for w in caught if "is skipped" in str(w.message)] == [
         "distro-opt: non-finite local gradient; this inner step is skipped",
         "distro-opt: GradScaler found inf/NaN gradients; this inner step is skipped",
     ]
@@ -425,6 +425,7 @@ def test_an_fp16_gradient_whose_norm_is_beyond_fp16s_range_still_takes_its_inner
     opt = DisTrOAdamW([p], lr=0.01, sync_every=H)
     ref_opt = torch.optim.AdamW([ref], lr=0.01)
     p.grad, ref.grad = (torch.full((64, 64), 2000.0, dtype=torch.float16) for _ in range(2))  # norm 128,000
+    assert opt.comm.world_size == 1  # resolved here, with its single-worker notice, not in the block
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from distro_opt.comm import CommStats
+from distro_opt.guards import CHECKSUM_NBYTES
 from distro_opt.wire import PayloadLayout, param_spec
 from test_torch_backend import HEADER_BYTES, expect_success, launch
 
@@ -54,14 +55,19 @@ def test_replicas_of_one_shard_stay_bitwise_identical(runs):
 
 def test_bytes_per_step_are_the_local_shards_payload(runs):
     sharded, plain = runs
-    sync_every = STEPS // sharded[0]["steps"]
+    sync_every = STEPS // (sharded[0]["steps"] - sharded[0]["checks"])
     for rank in sharded:
         layout = PayloadLayout([param_spec(shape, 8, 64, 1) for shape in rank["local_shapes"]])
         assert rank["payload_nbytes"] == layout.nbytes < plain[0]["payload_nbytes"]
         assert rank["world_size"] == 2  # the replicate group: the shard ranks never exchange payloads
         syncs = STEPS // sync_every
         framed = CommStats.all_gather_bytes(HEADER_BYTES + layout.nbytes, 2)
-        assert rank["bytes_sent"] == HEADER_BYTES + syncs * framed  # a size announcement, then the frames
+        # the replica check at the first step: a size announcement, then the framed checksum
+        assert rank["checks"] == 1
+        assert rank["check_sent"] == HEADER_BYTES + CommStats.all_gather_bytes(HEADER_BYTES + CHECKSUM_NBYTES, 2)
+        # then the payload's size announcement (in the checksum's slot) and the frames
+        announce = CommStats.all_gather_bytes(HEADER_BYTES + CHECKSUM_NBYTES, 2)
+        assert rank["bytes_sent"] == rank["check_sent"] + announce + syncs * framed
 
 
 def test_state_of_sharded_parameters_is_kept_as_dtensors(runs):

@@ -8,6 +8,7 @@ import torch
 
 from distro_opt import DeMo, DisTrOAdamW, PayloadError
 from distro_opt.comm import InProcessBackend, SingleWorkerBackend
+from distro_opt.guards import CHECKSUM_NBYTES
 
 from _models import OPTIMIZERS, batch, make_model, train
 
@@ -32,8 +33,8 @@ def test_workers_end_with_identical_replicas_and_counted_bytes(cls):
         assert all(torch.equal(a, b) for a, b in zip(first, params))
     nbytes = cls(make_model().parameters()).payload_nbytes
     for _, stats in results:
-        assert stats.steps == 6
-        assert stats.bytes_sent == stats.bytes_received == 6 * 3 * nbytes
+        assert stats.steps == 6 + 1  # six payloads and the replica check of the first step
+        assert stats.bytes_sent == stats.bytes_received == 6 * 3 * nbytes + 3 * CHECKSUM_NBYTES
 
 
 def test_payload_nbytes_is_known_before_a_step_and_is_what_is_sent():
@@ -105,7 +106,7 @@ def test_mismatched_models_raise_on_every_worker(width):
 
     def worker(backend):
         model = models[backend.rank]
-        if backend.rank == 1 and width == 32:  # same shapes, other order: the fingerprint differs
+        if backend.rank == 1 and width == 32:  # same shapes, other order
             model = torch.nn.Sequential(*reversed([m for m in model]))
         opt = DisTrOAdamW(model.parameters(), comm=backend)
         params = [p.detach().clone() for p in model.parameters()]
@@ -113,14 +114,31 @@ def test_mismatched_models_raise_on_every_worker(width):
             p.grad = torch.ones_like(p)
         try:
             opt.step()
-        except PayloadError as exc:
+        except ValueError as exc:
             unchanged = all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
             return str(exc), unchanged, len(opt.state)
         return None, None, None
 
-    for message, unchanged, nstate in InProcessBackend.run(2, worker, timeout_s=60):
-        assert message is not None and "layout mismatch" in message
-        assert unchanged and nstate <= 4  # nothing written into parameters before validation
+    results = InProcessBackend.run(2, worker, timeout_s=60)
+    assert results[0][0] == results[1][0].replace("seen by rank 1", "seen by rank 0")  # the same error
+    for message, unchanged, nstate in results:
+        assert message is not None and "the workers hold different parameters" in message
+        assert unchanged and nstate == 0  # refused before any state or parameter changed
+
+
+def test_mismatched_settings_raise_a_layout_mismatch_on_every_worker():
+    models = [make_model(), make_model()]  # the same parameters: the replica check passes
+
+    def worker(backend):  # another top-k on worker 1
+        model = models[backend.rank]
+        opt = DisTrOAdamW(model.parameters(), comm=backend, compression_topk=4 + backend.rank)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        with pytest.raises(PayloadError, match="layout mismatch"):
+            opt.step()
+        return opt.replica_check_stats.steps
+
+    assert InProcessBackend.run(2, worker, timeout_s=60) == [1, 1]
 
 
 class _CorruptingBackend(SingleWorkerBackend):

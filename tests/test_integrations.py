@@ -1,0 +1,141 @@
+"""The examples of docs/integrations.md, run as they are (2 or 4 Gloo ranks on 127.0.0.1; the plain
+loop in this process), and DDP beside distro-opt.
+
+Each multi-process example is launched once (tests/_example_rank.py records its steps) and the
+tests below check, per example: the gradients were never all-reduced (they differ across ranks at
+every step), the replicas end identical, the only gradient traffic is distro-opt's (its counters
+match the payload formula exactly, and the process wrote far fewer bytes than one dense all-reduce
+per step would send), and nothing warned.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from distro_opt.comm import CommStats
+from distro_opt.guards import CHECKSUM_NBYTES
+
+from test_torch_backend import HEADER_BYTES, expect_success, launch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+RANK_SCRIPT = Path(__file__).with_name("_example_rank.py")
+DDP_SCRIPT = Path(__file__).with_name("_ddp_beside_distro.py")
+
+
+def launch_script(script: Path, world_size: int, tmp: Path):
+    """``world_size`` ranks of ``script`` under tests/_example_rank.py; ``(results, exit codes)``."""
+    return launch([str(script)], world_size, tmp, timeout_s=240, worker=RANK_SCRIPT)
+
+
+def _launch_example(name, world_size, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(name)
+    results, codes = launch_script(EXAMPLES / f"{name}.py", world_size, tmp)
+    return [r["example"] for r in expect_success(results, codes, tmp)]
+
+
+@pytest.fixture(scope="module", params=["torchrun_loop", "accelerate_loop", "hf_trainer"])
+def two_rank_example(request, tmp_path_factory):
+    return request.param, _launch_example(request.param, 2, tmp_path_factory)
+
+
+def torch_backend_bytes(payload_nbytes: int, steps: int, world_size: int) -> int:
+    """What TorchDistributedBackend counts for a replica check, then ``steps`` payloads: the check's
+    size announcement and framed checksum, the payload's size announcement (in the checksum's slot),
+    then one framed payload per step."""
+    check = CommStats.all_gather_bytes(HEADER_BYTES, world_size) + CommStats.all_gather_bytes(
+        HEADER_BYTES + CHECKSUM_NBYTES, world_size)
+    announce = CommStats.all_gather_bytes(HEADER_BYTES + CHECKSUM_NBYTES, world_size)
+    return check + announce + steps * CommStats.all_gather_bytes(HEADER_BYTES + payload_nbytes, world_size)
+
+
+def test_two_rank_examples_communicate_through_distro_opt_only(two_rank_example):
+    name, ranks = two_rank_example
+    (first,) = ranks[0]["optimizers"]
+    steps = len(first["grads"])
+    assert steps >= 4 and first["comm"] == "TorchDistributedBackend" and first["world_size"] == 2
+    for rank in ranks:
+        (opt,) = rank["optimizers"]
+        assert opt["checks"] == 1 and opt["collectives"] == steps + 1
+        assert opt["sent"] == opt["received"] == torch_backend_bytes(opt["payload_nbytes"], steps, 2)
+        dense = steps * CommStats.ring_all_reduce_bytes(4 * opt["n_params"], 2)  # what DDP would send
+        assert rank["wchar"] < dense / 10, (name, rank["wchar"], dense)
+        assert rank["warnings"] == []
+
+
+def test_two_rank_examples_never_all_reduce_gradients_and_end_with_identical_replicas(two_rank_example):
+    _, ranks = two_rank_example
+    grads = [rank["optimizers"][0]["grads"] for rank in ranks]
+    assert all(a != b for a, b in zip(*grads))  # each rank's own gradient at every step
+    params = [rank["optimizers"][0]["params"] for rank in ranks]
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+    assert not all(torch.equal(p, q) for p, q in zip(params[0], ranks[0]["optimizers"][0]["start"]))
+
+
+def test_fsdp2_example_keeps_the_replicas_of_each_shard_identical(tmp_path_factory):
+    ranks = _launch_example("fsdp2", 4, tmp_path_factory)
+    by_shard = {}
+    for rank in ranks:
+        (opt,) = rank["optimizers"]
+        assert opt["world_size"] == 2 and opt["checks"] == 1  # the replicate group of the 2 x 2 mesh
+        assert opt["sent"] == torch_backend_bytes(opt["payload_nbytes"], len(opt["grads"]), 2)
+        by_shard.setdefault(rank["rank"] % 2, []).append(opt)  # rank = replicate * 2 + shard
+        assert rank["warnings"] == []
+    for a, b in by_shard.values():
+        assert all(x != y for x, y in zip(a["grads"], b["grads"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+
+
+def test_plain_loop_example_trains_four_in_process_workers_alike(capsys):
+    scope = runpy.run_path(str(EXAMPLES / "plain_loop.py"), run_name="__main__")
+    models = scope["models"]
+    assert all(torch.equal(p, q) for m in models[1:] for p, q in zip(models[0].parameters(), m.parameters()))
+    payload = scope["DisTrOAdamW"](models[0].parameters()).payload_nbytes
+    expected = 20 * CommStats.all_gather_bytes(payload, 4) + CommStats.all_gather_bytes(CHECKSUM_NBYTES, 4)
+    assert [sent for _, sent in scope["results"]] == [expected] * 4
+    assert "worker 3: loss" in capsys.readouterr().out
+
+
+def test_ddp_or_fsdp1_beside_distro_opt_warns_once_unless_its_all_reduce_is_off(tmp_path):
+    results, codes = launch_script(DDP_SCRIPT, 2, tmp_path)
+    for rank in expect_success(results, codes, tmp_path):
+        phases = rank["example"]["phases"]
+        assert len(phases["synced"]) == 1 and "wrapped in DistributedDataParallel" in phases["synced"][0]
+        assert "model.no_sync()" in phases["synced"][0]
+        assert phases["no_sync"] == [] and phases["own_group"] == []
+        assert len(phases["fsdp1"]) == 1 and "wrapped in FullyShardedDataParallel" in phases["fsdp1"][0]
+
+
+def test_the_docs_page_shows_each_example_file_as_it_is():
+    page = (EXAMPLES.parent / "integrations.md").read_text()
+    shown = dict(re.findall(r"<!-- docs/examples/(\S+) -->\n```python\n(.*?)```\n", page, flags=re.S))
+    assert sorted(shown) == sorted(p.name for p in EXAMPLES.glob("*.py"))
+    for name, code in shown.items():
+        assert code == (EXAMPLES / name).read_text(), name
+
+
+def test_transformers_and_accelerate_are_imported_only_by_their_integrations():
+    code = ("import sys, distro_opt, distro_opt.comm, distro_opt.integrations\n"
+            "print(sorted({'transformers', 'accelerate'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_without_ddp_prepares_models_unwrapped_and_refuses_set_ups_that_reduce_gradients_themselves():
+    from types import SimpleNamespace
+
+    from distro_opt.integrations.accelerate import without_ddp
+
+    calls = []
+    accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name="MULTI_CPU"),
+                                  prepare_model=lambda model, **kw: calls.append(kw) or model)
+    without_ddp(accelerator).prepare_model("model")
+    assert calls == [{"device_placement": None, "evaluation_mode": True}]  # accelerate's way to skip DDP
+    for kind in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(ValueError, match=f"set up for {kind}"):
+            without_ddp(SimpleNamespace(distributed_type=SimpleNamespace(name=kind), prepare_model=None))
