@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +114,59 @@ def test_the_part_file_of_a_killed_save_is_deleted_by_the_next_check_but_not_one
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         check_save_dir(str(tmp_path))
         assert [f.name for f in tmp_path.iterdir()] == [writing.name]
+
+
+@pytest.fixture(params=["deletes", "holds"])
+def cleanup_in_the_gap(request, monkeypatch):
+    """Another rank's check_save_dir of the same directory meets the first file ddp_checkpoint creates
+    ("xb") between its creation and its lock: the whole cleanup runs then (it locks the new file,
+    deletes it, unlocks: "deletes"), or the cleanup is midway, holding the lock on the file it has
+    just deleted ("holds"). Yields the names of the files it met."""
+    import fcntl
+
+    from distro_opt.experiments import ddp_checkpoint
+
+    met, held = [], []
+
+    def cleanup(path):
+        if request.param == "deletes":
+            ddp_checkpoint._remove_leftovers(path.parent)
+            return
+        f = open(path, "rb")
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink()
+        held.append(f)
+
+    def create_then_cleanup(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if mode == "xb" and not met:
+            met.append(Path(path).name)
+            cleanup(Path(path))
+        return f
+
+    monkeypatch.setattr(ddp_checkpoint, "open", create_then_cleanup, raising=False)
+    yield met
+    for f in held:
+        f.close()
+
+
+def test_a_probe_that_another_ranks_cleanup_takes_for_a_leftover_is_made_again(tmp_path, cleanup_in_the_gap):
+    from distro_opt.experiments.ddp_checkpoint import check_save_dir
+
+    check_save_dir(str(tmp_path))
+    assert len(cleanup_in_the_gap) == 1 and cleanup_in_the_gap[0].startswith(".probe.")  # it happened
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_whose_part_file_another_ranks_cleanup_takes_for_a_leftover_still_saves(tmp_path,
+                                                                                      cleanup_in_the_gap):
+    from distro_opt.experiments.ddp_checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(str(tmp_path), 0, 1, 5, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(cleanup_in_the_gap) == 1 and cleanup_in_the_gap[0].startswith(".rank0.pt.")
+    assert [f.name for f in tmp_path.iterdir()] == ["rank0.pt"]
+    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["step"] == 5
 
 
 def test_a_checkpoint_on_one_rank_stops_every_rank_at_start_with_one_line(tmp_path):
