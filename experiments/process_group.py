@@ -14,7 +14,9 @@ A FileStore deletes its file only when every rank ends cleanly. A file left by a
 meet in it connect to dead ports and hang in ``init_process_group``. So each rank records its
 process in the file, a rank refuses a file whose recorded processes have ended (or that nobody
 wrote to for longer than the timeout), and the mains delete the file on every way out
-(``remove_rendezvous_file``), unless another job has put its own file at the path meanwhile.
+(``remove_rendezvous_file``), unless another job has put its own file at the path meanwhile. Once
+the group exists they end through ``end_process``: the file deleted, output flushed, the group
+destroyed where no collective can be in flight, and no interpreter finalization (where Gloo can abort).
 
 A process can only be checked from the same PID namespace of the same boot of the kernel: a rank
 in another container (same hostname and volume, its own pids) or on another machine (a shared
@@ -25,9 +27,11 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -93,6 +97,29 @@ def remove_rendezvous_file(joined: RendezvousFile | None) -> None:
         return
     if joined.record.encode() in held:
         joined.path.unlink(missing_ok=True)
+
+
+def end_process(code: int, joined: RendezvousFile | None, *, destroy_group: bool) -> NoReturn:
+    """End this rank's process with exit code ``code``, once its output is flushed and the rendezvous
+    file deleted (remove_rendezvous_file). ``destroy_group``: every rank is between collectives (it
+    succeeded, or stops on an error all ranks agreed on), so the group is destroyed first; where a
+    peer died or hung, or a Ctrl-C came in the middle of a collective, it is abandoned instead, as
+    destroying it could wait on a peer that never answers.
+
+    The interpreter's finalization is skipped (``os._exit``): with a Gloo group a rank can abort
+    there ("terminate called without an active exception", exit code -6) after its last line, as
+    Gloo's threads drop tensors while the interpreter tears down (pytorch/pytorch#179291)."""
+    try:
+        if destroy_group and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        remove_rendezvous_file(joined)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+                pass
+        os._exit(code)
 
 
 def _stale(path: str, why: str) -> RendezvousError:
