@@ -14,6 +14,11 @@ files, the arguments, then a checksum of the starting parameters): if any rank c
 the ranks would not train the same model, every rank stops with the same one-line error.
 
 Without torchrun's environment the script runs as a world of one (its Gloo socket on 127.0.0.1).
+
+Exit codes, each with one line on stderr: 0 trained; 2 bad arguments, or a start refused on any
+rank ("error: ...", the same line on every rank); 1 a peer died or hung (or never came), this
+rank's save failed, or a bug (with its traceback); 130 Ctrl-C. Once its process group exists a rank
+leaves through process_group.end_process, never the interpreter's finalization.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +45,7 @@ from distro_opt.experiments.ddp_checkpoint import (
     check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
 )
 from distro_opt.experiments.process_group import (
-    RendezvousError, remove_rendezvous_file, single_process_group, start_process_group,
+    RendezvousError, end_process, single_process_group, start_process_group,
 )
 
 
@@ -66,6 +72,7 @@ HELP = {
     "log": "rank 0 prints one line per step",
 }
 DTYPES = ("float32", "bfloat16")
+EXIT_PEER_LOST, EXIT_INTERRUPTED = 1, 130  # besides 0 and cli's 2 (bad input, a refused start)
 
 
 @dataclass
@@ -228,14 +235,12 @@ def init_group(cfg: TrainConfig) -> Path | None:
     Returns the rendezvous file of a hand launch (start_process_group), else None."""
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    rendezvous = None
-    if "RANK" in os.environ:
-        rendezvous = start_process_group(backend, timeout)
-    else:
-        single_process_group(backend, timeout)
-    if backend == "nccl":
+    if backend == "nccl":  # before the group: nothing started is left behind if the GPU is missing
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return rendezvous
+    if "RANK" in os.environ:
+        return start_process_group(backend, timeout)
+    single_process_group(backend, timeout)
+    return None
 
 
 def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
@@ -281,20 +286,36 @@ def check_same_start(model: nn.Module) -> None:
 
 
 def main(argv=None) -> int:
+    """The script. Returns its exit code only where no process group was started (bad arguments, a
+    refused rendezvous file); from then on every way out ends the process through end_process."""
     cfg = TrainConfig.from_args(argv)
     if cfg.device.startswith("cuda"):
         cfg = dataclasses.replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    rank = os.environ.get("RANK", "0")
     try:
         rendezvous = init_group(cfg)
     except RendezvousError as exc:
         return fail(str(exc))
-    try:  # a FileStore deletes its file only when every rank ends cleanly: delete it on every way out
-        return _main(cfg, rendezvous)
-    finally:
-        remove_rendezvous_file(rendezvous)
+    except KeyboardInterrupt:
+        _say(f"rank {rank}: interrupted while the ranks met")
+        end_process(EXIT_INTERRUPTED, None, destroy_group=False)
+    except RuntimeError as exc:  # a peer never came, its address cannot be reached, no such GPU
+        _say(f"rank {rank}: the process group did not start ({exc})")
+        end_process(EXIT_PEER_LOST, None, destroy_group=False)
+    try:
+        code, destroy_group = _main(cfg)
+    except KeyboardInterrupt:
+        _say(f"rank {rank}: interrupted")
+        code, destroy_group = EXIT_INTERRUPTED, False
+    except BaseException:  # a bug: its traceback, then the same way out as a broken group
+        traceback.print_exc()
+        code, destroy_group = EXIT_PEER_LOST, False
+    end_process(code, rendezvous, destroy_group=destroy_group)
 
 
-def _main(cfg: TrainConfig, rendezvous) -> int:
+def _main(cfg: TrainConfig) -> tuple[int, bool]:
+    """Start-up checks, training and the closing line; returns (exit code, whether every rank is
+    between collectives, so that the group can be destroyed)."""
     comm = TorchDistributedBackend(timeout_s=cfg.timeout_s)
     if comm.rank == 0:
         print(f"world size {comm.world_size} | {dist.get_backend()} | {cfg}", flush=True)
@@ -303,20 +324,24 @@ def _main(cfg: TrainConfig, rendezvous) -> int:
         if problem is None:
             log = (lambda line: print(line, flush=True)) if cfg.log and comm.rank == 0 else None
             result = train(cfg, comm, log=log, on_start=check_same_start)
-    except ValueError as exc:  # check_same_start: raised alike on every rank
+    except ValueError as exc:  # check_same_start, a payload mismatch: raised alike on every rank
         problem = str(exc)
-    except (CollectiveError, dist.DistError) as exc:
-        print(f"rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
-        remove_rendezvous_file(rendezvous)
-        os._exit(1)  # the group is broken (destroying it may block); let torchrun tear the job down
+    except (CollectiveError, dist.DistError) as exc:  # the group is broken
+        _say(f"rank {comm.rank}: {exc}")
+        return EXIT_PEER_LOST, False
+    except OSError as exc:  # this rank's save (or its second look at --save-dir) failed: its peers'
+        _say(f"rank {comm.rank}: {exc}")  # next collective with it fails
+        return EXIT_PEER_LOST, False
     if problem is not None:
-        dist.destroy_process_group()
-        return fail(problem)
+        return fail(problem), True
     print(f"rank {comm.rank}: eval loss {result['eval_loss']:.6f} | params {checksum(result['params'])} "
           f"| payload {result['payload_nbytes']} B/step | sent {result['bytes_sent']} B "
           f"| mean step {sum(result['step_s']) / max(1, len(result['step_s'])):.4f} s", flush=True)
-    dist.destroy_process_group()
-    return 0
+    return 0, True
+
+
+def _say(line: str) -> None:
+    print(" ".join(line.split()), file=sys.stderr, flush=True)  # one line, even where Gloo's has several
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -231,6 +232,26 @@ def test_ranks_resuming_from_different_checkpoints_are_refused_before_training(t
 def test_ranks_started_with_different_arguments_are_refused(tmp_path):
     results = two_ranks(tmp_path, [["--seed", "0"], ["--seed", "1"]])
     one_line_error_on_every_rank(results, "the ranks were started with different arguments (seed: 0, 1)")
+
+
+def test_ctrl_c_on_every_rank_is_one_line_and_exit_130_and_the_rendezvous_file_is_deleted(tmp_path):
+    rendezvous, log = tmp_path / "rendezvous", tmp_path / "rank0.log"
+    with open(log, "w") as out:
+        procs = [subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.train_ddp", "--steps", "100000",
+                                   "--timeout-s", "20", *([] if rank == 0 else ["--no-log"])],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", **one_machine_env(rank, 2, rendezvous)},
+                                  stdout=out, stderr=subprocess.PIPE, text=True)
+                 for rank in range(2)]
+        deadline = time.monotonic() + 30
+        while "step    3 |" not in log.read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        for p in procs:  # as a terminal's Ctrl-C: every process of the job at once
+            p.send_signal(signal.SIGINT)
+        results = wait_all(procs, 30)
+    for rank, (code, err) in enumerate(results):
+        assert code == 130 and err == f"rank {rank}: interrupted\n", err
+    assert not rendezvous.exists()
 
 
 # -- arguments -----------------------------------------------------------------------------------
