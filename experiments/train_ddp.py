@@ -15,10 +15,10 @@ the ranks would not train the same model, every rank stops with the same one-lin
 
 Without torchrun's environment the script runs as a world of one (its Gloo socket on 127.0.0.1).
 
-Exit codes, each with one line on stderr: 0 trained; 2 bad arguments, or a start refused on any
-rank ("error: ...", the same line on every rank); 1 a peer died or hung (or never came), this
-rank's save failed, or a bug (with its traceback); 130 Ctrl-C. Once its process group exists a rank
-leaves through process_group.end_process, never the interpreter's finalization.
+Exit codes: 0 trained (the checksum line); else one line on stderr: 2 bad arguments, or a start
+refused on any rank ("error: ...", the same line on every rank); 1 a peer died or hung (or never
+came), this rank's save failed, or a bug (with its traceback); 130 Ctrl-C. Once its process group
+exists a rank leaves through process_group.end_process, never the interpreter's finalization.
 """
 from __future__ import annotations
 
