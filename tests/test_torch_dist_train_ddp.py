@@ -254,6 +254,16 @@ def test_ctrl_c_on_every_rank_is_one_line_and_exit_130_and_the_rendezvous_file_i
     assert not rendezvous.exists()
 
 
+def test_a_rank_whose_peer_never_comes_is_one_line_and_exit_1(tmp_path):
+    rendezvous = tmp_path / "rendezvous"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **one_machine_env(0, 2, rendezvous)}  # rank 1 never starts
+    (code, err), = wait_all([subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.train_ddp",
+                                               "--timeout-s", "2"], env=env, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.PIPE, text=True)], 40)
+    assert code == 1 and err.startswith("rank 0: the process group did not start (") and err.count("\n") == 1, err
+    assert not rendezvous.exists()
+
+
 # -- arguments -----------------------------------------------------------------------------------
 
 
