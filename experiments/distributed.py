@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -32,10 +30,10 @@ from .checkpoint import CheckpointStore
 from .cli import UsageError, fail, os_error_message
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .metrics import MetricsSink, truncate_metrics
-from .process_group import RendezvousError, end_process, start_process_group
+from .process_group import (
+    EXIT_INTERRUPTED, EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, start_process_group,
+)
 from .train import Job, run_worker
-
-EXIT_PEER_LOST = 1
 
 def collective(what: str, op, *args, **kwargs):
     """A plain torch.distributed collective, whose failure (a peer died or hung) raises
@@ -67,30 +65,20 @@ class DistLossMean:
 
 def main_distributed(args, preset, arms) -> int:
     """The runner on this rank. Returns its exit code only where no process group was started (a
-    refused rendezvous file); from then on every way out ends the process through end_process."""
-    from .run import EXIT_INTERRUPTED
-
+    refused rendezvous file); from then on every way out ends the process (run_rank)."""
     use_cuda = preset.device.startswith("cuda") and torch.cuda.is_available()
-    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "?")
-    try:
+
+    def start():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        rendezvous = start_process_group("nccl" if use_cuda else "gloo",
-                                         datetime.timedelta(seconds=preset.timeout_s))
+        timeout = datetime.timedelta(seconds=preset.timeout_s)
+        return start_process_group("nccl" if use_cuda else "gloo", timeout)
+
+    who = f"rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '?')}"
+    try:
+        run_rank(start, lambda: _run_ranks(args, preset, arms, use_cuda), who, "; run the same command again")
     except RendezvousError as exc:
         return fail(str(exc))
-    except KeyboardInterrupt:
-        _say(f"rank {rank} of {world}: interrupted while the ranks met; run the same command again")
-        end_process(EXIT_INTERRUPTED, None, destroy_group=False)
-    except RuntimeError as exc:  # a peer never came, its address cannot be reached, no such GPU
-        _say(f"rank {rank} of {world}: the process group did not start ({exc}); run the same command again")
-        end_process(EXIT_PEER_LOST, None, destroy_group=False)
-    try:
-        code, destroy_group = _run_ranks(args, preset, arms, use_cuda)
-    except BaseException:  # a bug: its traceback, then the same way out as a broken group
-        traceback.print_exc()
-        code, destroy_group = EXIT_PEER_LOST, False
-    end_process(code, rendezvous, destroy_group=destroy_group)
 
 
 def _start_error(start) -> str | None:
@@ -112,7 +100,7 @@ def _first_error(error: str | None, world: int) -> str | None:
 
 
 def _advice(args, run_in_out: bool) -> str:
-    """What to run after a peer was lost: --resume continues only a run that --out holds."""
+    """What to run after a peer was lost or Ctrl-C: --resume continues only a run that --out holds."""
     if args.resume:
         return "continue with the same command"
     if run_in_out:
@@ -120,17 +108,11 @@ def _advice(args, run_in_out: bool) -> str:
     return "run the same command again"
 
 
-def _say(line: str) -> None:
-    print(" ".join(line.split()), file=sys.stderr, flush=True)  # one line, even where Gloo's has several
-
-
 def _run_ranks(args, preset, arms, use_cuda) -> tuple[int, bool]:
     """Start-up checks, every job, the summary; returns (exit code, whether every rank is between
     collectives, so that the group can be destroyed). A peer lost (CollectiveError) or Ctrl-C:
     one line with what to run next, exit code 1 or 130, the group abandoned (its lock on --out
     ends with the process)."""
-    from .run import EXIT_INTERRUPTED
-
     rank, world = dist.get_rank(), dist.get_world_size()
     config_path = args.out / "config.json"
     had_config = config_path.exists()  # a run there before this start (checked by prepare on rank 0)
@@ -138,7 +120,7 @@ def _run_ranks(args, preset, arms, use_cuda) -> tuple[int, bool]:
     try:
         return _start_and_train(args, preset, arms, use_cuda, started)
     except CollectiveError as exc:
-        code, message = EXIT_PEER_LOST, str(exc).rstrip(".")
+        code, message = EXIT_PEER_LOST, " ".join(str(exc).split()).rstrip(".")
     except KeyboardInterrupt:
         code, message = EXIT_INTERRUPTED, f"rank {rank} of {world}: interrupted"
     finally:
@@ -147,7 +129,7 @@ def _run_ranks(args, preset, arms, use_cuda) -> tuple[int, bool]:
     # --out holds this run once any rank went on to train (rank 0 prepared it), or if this start wrote
     # its config (rank 0 did, or, where --out is shared, another rank sees it)
     run_in_out = "training" in started or "lock" in started or not had_config and config_path.exists()
-    _say(f"{message}; {_advice(args, run_in_out)}")
+    print_one_line(f"{message}; {_advice(args, run_in_out)}")
     return code, False
 
 

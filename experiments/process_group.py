@@ -29,13 +29,15 @@ import os
 import socket
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
 RENDEZVOUS_FILE = "DISTRO_OPT_RENDEZVOUS_FILE"
+EXIT_PEER_LOST, EXIT_INTERRUPTED = 1, 130  # a peer died, hung or never came (or a bug); Ctrl-C
 _PROCESS_KEY = "distro_opt/process/{rank}"  # the record of the rank that joined the file: _this_process
 _RECORD_FIELDS = 5  # host pid start-time pid-namespace boot-id
 
@@ -97,6 +99,41 @@ def remove_rendezvous_file(joined: RendezvousFile | None) -> None:
         return
     if joined.record.encode() in held:
         joined.path.unlink(missing_ok=True)
+
+
+def run_rank(start: Callable[[], RendezvousFile | None], work: Callable[[], tuple[int, bool]], who: str,
+             again: str = "") -> NoReturn:
+    """One rank of a job, from its start to its exit. ``start()`` starts the process group and returns
+    its rendezvous file (start_process_group); ``work()`` does the rank's work and returns (exit
+    code, whether no collective can be in flight, so that the group may be destroyed). The process
+    then ends through end_process. Where it ends otherwise, one line on stderr names this rank
+    (``who``): the group did not start (a peer never came, its address cannot be reached), 1, with
+    ``again`` (what to run next) appended; Ctrl-C, 130; a bug, its traceback and 1. A refused
+    rendezvous file (RendezvousError) is raised, before any group exists."""
+    try:
+        joined = start()
+    except RendezvousError:
+        raise
+    except KeyboardInterrupt:
+        print_one_line(f"{who}: interrupted while the ranks met{again}")
+        end_process(EXIT_INTERRUPTED, None, destroy_group=False)
+    except RuntimeError as exc:  # also no such GPU: the line names it
+        print_one_line(f"{who}: the process group did not start ({exc}){again}")
+        end_process(EXIT_PEER_LOST, None, destroy_group=False)
+    try:
+        code, destroy_group = work()
+    except KeyboardInterrupt:
+        print_one_line(f"{who}: interrupted")
+        code, destroy_group = EXIT_INTERRUPTED, False
+    except BaseException:  # a bug: its traceback, then the same way out as a broken group
+        traceback.print_exc()
+        code, destroy_group = EXIT_PEER_LOST, False
+    end_process(code, joined, destroy_group=destroy_group)
+
+
+def print_one_line(line: str) -> None:
+    """``line`` on stderr as one line, even where it quotes a Gloo error of several."""
+    print(" ".join(line.split()), file=sys.stderr, flush=True)
 
 
 def end_process(code: int, joined: RendezvousFile | None, *, destroy_group: bool) -> NoReturn:

@@ -29,7 +29,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from distro_opt.experiments.ddp_checkpoint import (
     check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
 )
 from distro_opt.experiments.process_group import (
-    RendezvousError, end_process, single_process_group, start_process_group,
+    EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, single_process_group, start_process_group,
 )
 
 
@@ -72,7 +71,6 @@ HELP = {
     "log": "rank 0 prints one line per step",
 }
 DTYPES = ("float32", "bfloat16")
-EXIT_PEER_LOST, EXIT_INTERRUPTED = 1, 130  # besides 0 and cli's 2 (bad input, a refused start)
 
 
 @dataclass
@@ -287,30 +285,14 @@ def check_same_start(model: nn.Module) -> None:
 
 def main(argv=None) -> int:
     """The script. Returns its exit code only where no process group was started (bad arguments, a
-    refused rendezvous file); from then on every way out ends the process through end_process."""
+    refused rendezvous file); from then on every way out ends the process (run_rank)."""
     cfg = TrainConfig.from_args(argv)
     if cfg.device.startswith("cuda"):
         cfg = dataclasses.replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-    rank = os.environ.get("RANK", "0")
     try:
-        rendezvous = init_group(cfg)
+        run_rank(lambda: init_group(cfg), lambda: _main(cfg), f"rank {os.environ.get('RANK', '0')}")
     except RendezvousError as exc:
         return fail(str(exc))
-    except KeyboardInterrupt:
-        _say(f"rank {rank}: interrupted while the ranks met")
-        end_process(EXIT_INTERRUPTED, None, destroy_group=False)
-    except RuntimeError as exc:  # a peer never came, its address cannot be reached, no such GPU
-        _say(f"rank {rank}: the process group did not start ({exc})")
-        end_process(EXIT_PEER_LOST, None, destroy_group=False)
-    try:
-        code, destroy_group = _main(cfg)
-    except KeyboardInterrupt:
-        _say(f"rank {rank}: interrupted")
-        code, destroy_group = EXIT_INTERRUPTED, False
-    except BaseException:  # a bug: its traceback, then the same way out as a broken group
-        traceback.print_exc()
-        code, destroy_group = EXIT_PEER_LOST, False
-    end_process(code, rendezvous, destroy_group=destroy_group)
 
 
 def _main(cfg: TrainConfig) -> tuple[int, bool]:
@@ -327,10 +309,10 @@ def _main(cfg: TrainConfig) -> tuple[int, bool]:
     except ValueError as exc:  # check_same_start, a payload mismatch: raised alike on every rank
         problem = str(exc)
     except (CollectiveError, dist.DistError) as exc:  # the group is broken
-        _say(f"rank {comm.rank}: {exc}")
+        print_one_line(f"rank {comm.rank}: {exc}")
         return EXIT_PEER_LOST, False
     except OSError as exc:  # this rank's save (or its second look at --save-dir) failed: its peers'
-        _say(f"rank {comm.rank}: {exc}")  # next collective with it fails
+        print_one_line(f"rank {comm.rank}: {exc}")  # next collective with it fails
         return EXIT_PEER_LOST, False
     if problem is not None:
         return fail(problem), True
@@ -338,10 +320,6 @@ def _main(cfg: TrainConfig) -> tuple[int, bool]:
           f"| payload {result['payload_nbytes']} B/step | sent {result['bytes_sent']} B "
           f"| mean step {sum(result['step_s']) / max(1, len(result['step_s'])):.4f} s", flush=True)
     return 0, True
-
-
-def _say(line: str) -> None:
-    print(" ".join(line.split()), file=sys.stderr, flush=True)  # one line, even where Gloo's has several
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ END = textwrap.dedent("""
     single_process_group("gloo", datetime.timedelta(seconds=10))
     destroy = dist.destroy_process_group
     dist.destroy_process_group = lambda: (print("destroyed", file=sys.stderr), destroy())
-    atexit.register(lambda: print("finalized", file=sys.stderr))  # runs only in the interpreter's finalization
+    atexit.register(lambda: print("finalized", file=sys.stderr))  # only in the interpreter's finalization
     print("the last line")  # to a pipe: still in the buffer
     code, how, rendezvous = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     end_process(code, RendezvousFile(Path(rendezvous), "this job"), destroy_group=how == "destroy")

@@ -1,7 +1,8 @@
 """experiments.run as hand-launched torch.distributed ranks: a start that fails on one rank leaves
 --out untouched, a peer that dies mid-run makes the other print one line, exit 1 and delete the
-rendezvous file, and Ctrl-C is one line and exit 130 on every rank. Ranks are real processes (Gloo on 127.0.0.1, the rendezvous in a file), each
-bounded by a wall-clock timeout; whatever is left is killed on the way out.
+rendezvous file, and Ctrl-C is one line and exit 130 on every rank. Ranks are real processes (Gloo
+on 127.0.0.1, the rendezvous in a file), each bounded by a wall-clock timeout; whatever is left is
+killed on the way out.
 """
 from __future__ import annotations
 
