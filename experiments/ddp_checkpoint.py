@@ -33,17 +33,19 @@ def check_save_dir(directory: str) -> None:
         raise FileExistsError(f"--save-dir {directory} already holds a checkpoint ({', '.join(held)}); "
                               "choose an empty directory (a checkpoint is never overwritten)")
     _remove_leftovers(path)
-    probe = path / f".probe.{secrets.token_hex(8)}.part"
+    probe = None
     try:
-        with _part_file(probe) as f:
+        probe, f = _part_file(path, ".probe")
+        with f:
             f.write(b"probe")
             _publish(probe, probe.with_suffix(".named.part"))
     except OSError as exc:  # the same type (PermissionError, ...), one line
         raise type(exc)(f"--save-dir {directory} cannot hold a checkpoint: writing a file there failed "
                         f"({exc.strerror or exc})") from None
     finally:
-        probe.unlink(missing_ok=True)
-        probe.with_suffix(".named.part").unlink(missing_ok=True)
+        if probe is not None:
+            probe.unlink(missing_ok=True)
+            probe.with_suffix(".named.part").unlink(missing_ok=True)
 
 
 def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model, opt) -> Path:
@@ -52,9 +54,9 @@ def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
              "world_size": world_size, "step": step}
-    part = path.with_name(f".{path.name}.{secrets.token_hex(8)}.part")  # not rank*.pt: never read as one
+    part, f = _part_file(path.parent, f".{path.name}")  # not rank*.pt: never read as one
     try:
-        with _part_file(part) as f:
+        with f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
@@ -64,16 +66,47 @@ def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model
     return path
 
 
-def _part_file(part: Path):
-    """A new file ``part``, opened for writing and locked (fcntl.flock) until closed: a file of this
-    kind that is not locked is a leftover of a killed save."""
-    f = open(part, "xb")
-    if fcntl is not None:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # no locks on this file system: leftovers are not told apart, nor deleted
-            pass
-    return f
+def _part_file(directory: Path, stem: str):
+    """A new file ``directory/{stem}.{random}.part``, opened for writing and locked (fcntl.flock) until
+    closed: a file of this kind that is not locked is a leftover of a killed save. Returns (path, file).
+
+    Between the file's creation and its lock, a concurrent ``_remove_leftovers`` (another rank's
+    check_save_dir in the same directory) takes it for a leftover: it may hold the lock at that
+    instant, or have deleted the file already. Once this process holds the lock and the name still
+    leads to its file, no cleanup can delete it (a cleanup deletes only what it holds locked); until
+    then, it starts again under a fresh name. That ends: a cleanup lists the directory once, and
+    holds at most one of these files in its list (each is gone before the next is created), so each
+    concurrent cleanup makes at most one attempt fail."""
+    while True:
+        part = directory / f"{stem}.{secrets.token_hex(8)}.part"
+        f = open(part, "xb")
+        if _lock(f) and _names(part, f):
+            return part, f
+        f.close()
+        part.unlink(missing_ok=True)  # this file's name, or none: the cleanup holding it deletes it too
+
+
+def _lock(f) -> bool:
+    """Lock ``f`` for as long as it is open; False where another process holds it (a cleanup)."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # no locks on this file system: leftovers are not told apart, nor deleted
+        pass
+    return True
+
+
+def _names(path: Path, f) -> bool:
+    """Whether ``path`` is still a name of the open file ``f`` (not deleted, nor replaced)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(f.fileno())
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _publish(part: Path, path: Path) -> None:

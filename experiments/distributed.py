@@ -9,14 +9,16 @@ writes the metrics and the summary. The backend comes from
 the same ``CommStats`` as in-process runs. The train loss is averaged with a plain
 ``torch.distributed.all_reduce`` outside the backend: it is bookkeeping, not training traffic.
 Interrupting a torchrun job kills its ranks; ``--resume`` continues from the last periodic checkpoint.
-A peer that dies or hangs makes each rank print one line and exit with 1 (the group is broken).
+A peer that dies or hangs makes each rank print one line and exit with 1 (the group is broken);
+Ctrl-C, one line and 130; a start refused on any rank, the same ``error:`` line on every rank and 2.
+Once its process group exists a rank leaves through process_group.end_process, never the
+interpreter's finalization.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -28,9 +30,10 @@ from distro_opt.comm.torch_backend import CollectiveError
 from .checkpoint import CheckpointStore
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .metrics import MetricsSink, truncate_metrics
-from .process_group import RendezvousError, remove_rendezvous_file, start_process_group
+from .process_group import (
+    EXIT_INTERRUPTED, EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, start_process_group,
+)
 from .train import Job, run_worker
-
 
 def collective(what: str, op, *args, **kwargs):
     """A plain torch.distributed collective, whose failure (a peer died or hung) raises
@@ -61,18 +64,21 @@ class DistLossMean:
 
 
 def main_distributed(args, preset, arms) -> int:
+    """The runner on this rank. Returns its exit code only where no process group was started (a
+    refused rendezvous file); from then on every way out ends the process (run_rank)."""
     use_cuda = preset.device.startswith("cuda") and torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+    def start():
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        timeout = datetime.timedelta(seconds=preset.timeout_s)
+        return start_process_group("nccl" if use_cuda else "gloo", timeout)
+
+    who = f"rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '?')}"
     try:
-        rendezvous = start_process_group("nccl" if use_cuda else "gloo",
-                                         datetime.timedelta(seconds=preset.timeout_s))
+        run_rank(start, lambda: _run_ranks(args, preset, arms, use_cuda), who, "; run the same command again")
     except RendezvousError as exc:
         return fail(str(exc))
-    try:  # a FileStore deletes its file only when every rank ends cleanly: delete it on every way out
-        return _run_ranks(args, preset, arms, use_cuda, rendezvous)
-    finally:
-        remove_rendezvous_file(rendezvous)
 
 
 def _start_error(start) -> str | None:
@@ -94,7 +100,7 @@ def _first_error(error: str | None, world: int) -> str | None:
 
 
 def _advice(args, run_in_out: bool) -> str:
-    """What to run after a peer was lost: --resume continues only a run that --out holds."""
+    """What to run after a peer was lost or Ctrl-C: --resume continues only a run that --out holds."""
     if args.resume:
         return "continue with the same command"
     if run_in_out:
@@ -102,24 +108,39 @@ def _advice(args, run_in_out: bool) -> str:
     return "run the same command again"
 
 
-def _abort(exc: CollectiveError, rendezvous, advice: str) -> None:
-    """A peer died or hung: the group is broken. One line, then exit at once (destroy_process_group
-    could wait on the dead peer; the lock on --out ends with the process)."""
-    message = " ".join(str(exc).split()).rstrip(".")  # one line, even where Gloo's has several
-    print(f"{message}; {advice}", file=sys.stderr, flush=True)
-    remove_rendezvous_file(rendezvous)
-    os._exit(1)
+def _run_ranks(args, preset, arms, use_cuda) -> tuple[int, bool]:
+    """Start-up checks, every job, the summary; returns (exit code, whether every rank is between
+    collectives, so that the group can be destroyed). A peer lost (CollectiveError) or Ctrl-C:
+    one line with what to run next, exit code 1 or 130, the group abandoned (its lock on --out
+    ends with the process)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config_path = args.out / "config.json"
+    had_config = config_path.exists()  # a run there before this start (checked by prepare on rank 0)
+    started = {}
+    try:
+        return _start_and_train(args, preset, arms, use_cuda, started)
+    except CollectiveError as exc:
+        code, message = EXIT_PEER_LOST, " ".join(str(exc).split()).rstrip(".")
+    except KeyboardInterrupt:
+        code, message = EXIT_INTERRUPTED, f"rank {rank} of {world}: interrupted"
+    finally:
+        if started.get("sink") is not None:
+            started["sink"].close()
+    # --out holds this run once any rank went on to train (rank 0 prepared it), or if this start wrote
+    # its config (rank 0 did, or, where --out is shared, another rank sees it)
+    run_in_out = "training" in started or "lock" in started or not had_config and config_path.exists()
+    print_one_line(f"{message}; {_advice(args, run_in_out)}")
+    return code, False
 
 
-def _run_ranks(args, preset, arms, use_cuda, rendezvous) -> int:
+def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, bool]:
+    """``_run_ranks``'s work; ``started`` records how far it got: "corpus", "lock" (rank 0 holds --out),
+    "training" (every rank passed the start-up checks), "sink" (rank 0's open metrics sink)."""
     from .run import check_checkpoints, finish, finished, prepare_out_dir, record_result, run_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"
     preset = type(preset)(**{**preset.__dict__, "workers": world, "device": device})
-    started = {}
-    config_path = args.out / "config.json"
-    had_config = config_path.exists()  # a run there before this start (checked by prepare on rank 0)
 
     def load():
         started["corpus"] = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
@@ -132,63 +153,43 @@ def _run_ranks(args, preset, arms, use_cuda, rendezvous) -> int:
         if args.resume:  # a bad checkpoint: one line naming the file, before any arm trains
             check_checkpoints(args.out, preset, arms, corpus)
 
-    try:
-        error = _first_error(_start_error(load), world)
-        if error is None:
-            error = _first_error(_start_error(prepare) if rank == 0 else None, world)
-    except CollectiveError as exc:  # --out holds this run if this start wrote its config (rank 0 did,
-        # or, where --out is shared, another rank sees it)
-        _abort(exc, rendezvous, _advice(args, "lock" in started or not had_config and config_path.exists()))
-    lock, corpus = started.get("lock"), started.get("corpus")
+    error = _first_error(_start_error(load), world)
+    if error is None:
+        error = _first_error(_start_error(prepare) if rank == 0 else None, world)
     if error is not None:
-        if lock is not None:
-            lock.close()
-        dist.destroy_process_group()
-        return fail(error)
-    backend = resolve_backend()
-    sink = None
-    try:
-        for seed in preset.seed_list():
-            for arm in arms:
-                if finished(args.out, arm, seed):
-                    continue
-                job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
-                store = CheckpointStore(args.out, arm.slug, seed, world)
-                if rank == 0:
-                    if args.resume:
-                        step = store.latest_step()
-                        truncate_metrics(
-                            args.out / "metrics.jsonl", arm.label, seed, step if step > 0 else None
-                        )
-                    sink = MetricsSink(
-                        args.out / "metrics.jsonl",
-                        arm.label,
-                        seed,
-                        preset.steps,
-                        start_step=store.latest_step() if args.resume else 0,
-                        progress=not args.no_progress,
-                    )
-                collective("the barrier before a job", dist.barrier)
-                result = run_worker(backend, job, DistLossMean(device), None, sink)
-                gathered = [None] * world if rank == 0 else None
-                collective("the gather of the results", dist.gather_object, result, gathered, dst=0)
-                if rank == 0:
-                    sink.close()
-                    sink = None
-                    record_result(args.out, job, gathered)
-        if rank == 0:
-            try:
-                finish(args.out, plots=not args.no_plots)
-            except ValueError as exc:  # files of the run damaged or removed by hand
-                return fail(f"cannot summarize {args.out}: {exc}")
-            print((args.out / "summary.md").read_text())
-    except CollectiveError as exc:
-        if sink is not None:
-            sink.close()
-        _abort(exc, rendezvous, _advice(args, True))  # rank 0 prepared --out before any rank went on
-    finally:
-        if lock is not None:
-            lock.close()
-        backend.close()
-        dist.destroy_process_group()
-    return 0
+        return fail(error), True
+    started["training"] = True
+    backend, corpus = resolve_backend(), started["corpus"]
+    for seed in preset.seed_list():
+        for arm in arms:
+            if finished(args.out, arm, seed):
+                continue
+            job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
+            store = CheckpointStore(args.out, arm.slug, seed, world)
+            if rank == 0:
+                if args.resume:
+                    step = store.latest_step()
+                    truncate_metrics(args.out / "metrics.jsonl", arm.label, seed, step if step > 0 else None)
+                started["sink"] = MetricsSink(
+                    args.out / "metrics.jsonl",
+                    arm.label,
+                    seed,
+                    preset.steps,
+                    start_step=store.latest_step() if args.resume else 0,
+                    progress=not args.no_progress,
+                )
+            collective("the barrier before a job", dist.barrier)
+            result = run_worker(backend, job, DistLossMean(device), None, started.get("sink"))
+            gathered = [None] * world if rank == 0 else None
+            collective("the gather of the results", dist.gather_object, result, gathered, dst=0)
+            if rank == 0:
+                started.pop("sink").close()
+                record_result(args.out, job, gathered)
+    backend.close()
+    if rank == 0:
+        try:
+            finish(args.out, plots=not args.no_plots)
+        except ValueError as exc:  # files of the run damaged or removed by hand
+            return fail(f"cannot summarize {args.out}: {exc}"), True
+        print((args.out / "summary.md").read_text())
+    return 0, True

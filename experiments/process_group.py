@@ -14,7 +14,9 @@ A FileStore deletes its file only when every rank ends cleanly. A file left by a
 meet in it connect to dead ports and hang in ``init_process_group``. So each rank records its
 process in the file, a rank refuses a file whose recorded processes have ended (or that nobody
 wrote to for longer than the timeout), and the mains delete the file on every way out
-(``remove_rendezvous_file``), unless another job has put its own file at the path meanwhile.
+(``remove_rendezvous_file``), unless another job has put its own file at the path meanwhile. Once
+the group exists they end through ``end_process``: the file deleted, output flushed, the group
+destroyed where no collective can be in flight, and no interpreter finalization (where Gloo can abort).
 
 A process can only be checked from the same PID namespace of the same boot of the kernel: a rank
 in another container (same hostname and volume, its own pids) or on another machine (a shared
@@ -25,13 +27,17 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
 RENDEZVOUS_FILE = "DISTRO_OPT_RENDEZVOUS_FILE"
+EXIT_PEER_LOST, EXIT_INTERRUPTED = 1, 130  # a peer died, hung or never came (or a bug); Ctrl-C
 _PROCESS_KEY = "distro_opt/process/{rank}"  # the record of the rank that joined the file: _this_process
 _RECORD_FIELDS = 5  # host pid start-time pid-namespace boot-id
 
@@ -93,6 +99,64 @@ def remove_rendezvous_file(joined: RendezvousFile | None) -> None:
         return
     if joined.record.encode() in held:
         joined.path.unlink(missing_ok=True)
+
+
+def run_rank(start: Callable[[], RendezvousFile | None], work: Callable[[], tuple[int, bool]], who: str,
+             again: str = "") -> NoReturn:
+    """One rank of a job, from its start to its exit. ``start()`` starts the process group and returns
+    its rendezvous file (start_process_group); ``work()`` does the rank's work and returns (exit
+    code, whether no collective can be in flight, so that the group may be destroyed). The process
+    then ends through end_process. Where it ends otherwise, one line on stderr names this rank
+    (``who``): the group did not start (a peer never came, its address cannot be reached), 1, with
+    ``again`` (what to run next) appended; Ctrl-C, 130; a bug, its traceback and 1. A refused
+    rendezvous file (RendezvousError) is raised, before any group exists."""
+    try:
+        joined = start()
+    except RendezvousError:
+        raise
+    except KeyboardInterrupt:
+        print_one_line(f"{who}: interrupted while the ranks met{again}")
+        end_process(EXIT_INTERRUPTED, None, destroy_group=False)
+    except RuntimeError as exc:  # also no such GPU: the line names it
+        print_one_line(f"{who}: the process group did not start ({exc}){again}")
+        end_process(EXIT_PEER_LOST, None, destroy_group=False)
+    try:
+        code, destroy_group = work()
+    except KeyboardInterrupt:
+        print_one_line(f"{who}: interrupted")
+        code, destroy_group = EXIT_INTERRUPTED, False
+    except BaseException:  # a bug: its traceback, then the same way out as a broken group
+        traceback.print_exc()
+        code, destroy_group = EXIT_PEER_LOST, False
+    end_process(code, joined, destroy_group=destroy_group)
+
+
+def print_one_line(line: str) -> None:
+    """``line`` on stderr as one line, even where it quotes a Gloo error of several."""
+    print(" ".join(line.split()), file=sys.stderr, flush=True)
+
+
+def end_process(code: int, joined: RendezvousFile | None, *, destroy_group: bool) -> NoReturn:
+    """End this rank's process with exit code ``code``, once its output is flushed and the rendezvous
+    file deleted (remove_rendezvous_file). ``destroy_group``: every rank is between collectives (it
+    succeeded, or stops on an error all ranks agreed on), so the group is destroyed first; where a
+    peer died or hung, or a Ctrl-C came in the middle of a collective, it is abandoned instead, as
+    destroying it could wait on a peer that never answers.
+
+    The interpreter's finalization is skipped (``os._exit``): with a Gloo group a rank can abort
+    there ("terminate called without an active exception", exit code -6) after its last line, as
+    Gloo's threads drop tensors while the interpreter tears down (pytorch/pytorch#179291)."""
+    try:
+        if destroy_group and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        remove_rendezvous_file(joined)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+                pass
+        os._exit(code)
 
 
 def _stale(path: str, why: str) -> RendezvousError:

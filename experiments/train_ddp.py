@@ -14,6 +14,11 @@ files, the arguments, then a checksum of the starting parameters): if any rank c
 the ranks would not train the same model, every rank stops with the same one-line error.
 
 Without torchrun's environment the script runs as a world of one (its Gloo socket on 127.0.0.1).
+
+Exit codes: 0 trained (the checksum line); else one line on stderr: 2 bad arguments, or a start
+refused on any rank ("error: ...", the same line on every rank); 1 a peer died or hung (or never
+came), this rank's save failed, or a bug (with its traceback); 130 Ctrl-C. Once its process group
+exists a rank leaves through process_group.end_process, never the interpreter's finalization.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from distro_opt.experiments.ddp_checkpoint import (
     check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
 )
 from distro_opt.experiments.process_group import (
-    RendezvousError, remove_rendezvous_file, single_process_group, start_process_group,
+    EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, single_process_group, start_process_group,
 )
 
 
@@ -228,14 +233,12 @@ def init_group(cfg: TrainConfig) -> Path | None:
     Returns the rendezvous file of a hand launch (start_process_group), else None."""
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    rendezvous = None
-    if "RANK" in os.environ:
-        rendezvous = start_process_group(backend, timeout)
-    else:
-        single_process_group(backend, timeout)
-    if backend == "nccl":
+    if backend == "nccl":  # before the group: nothing started is left behind if the GPU is missing
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return rendezvous
+    if "RANK" in os.environ:
+        return start_process_group(backend, timeout)
+    single_process_group(backend, timeout)
+    return None
 
 
 def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
@@ -282,20 +285,20 @@ def check_same_start(model: nn.Module) -> None:
 
 
 def main(argv=None) -> int:
+    """The script. Returns its exit code only where no process group was started (bad arguments, a
+    refused rendezvous file); from then on every way out ends the process (run_rank)."""
     cfg = TrainConfig.from_args(argv)
     if cfg.device.startswith("cuda"):
         cfg = dataclasses.replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     try:
-        rendezvous = init_group(cfg)
+        run_rank(lambda: init_group(cfg), lambda: _main(cfg), f"rank {os.environ.get('RANK', '0')}")
     except RendezvousError as exc:
         return fail(str(exc))
-    try:  # a FileStore deletes its file only when every rank ends cleanly: delete it on every way out
-        return _main(cfg, rendezvous)
-    finally:
-        remove_rendezvous_file(rendezvous)
 
 
-def _main(cfg: TrainConfig, rendezvous) -> int:
+def _main(cfg: TrainConfig) -> tuple[int, bool]:
+    """Start-up checks, training and the closing line; returns (exit code, whether every rank is
+    between collectives, so that the group can be destroyed)."""
     comm = TorchDistributedBackend(timeout_s=cfg.timeout_s)
     if comm.rank == 0:
         print(f"world size {comm.world_size} | {dist.get_backend()} | {cfg}", flush=True)
@@ -304,20 +307,20 @@ def _main(cfg: TrainConfig, rendezvous) -> int:
         if problem is None:
             log = (lambda line: print(line, flush=True)) if cfg.log and comm.rank == 0 else None
             result = train(cfg, comm, log=log, on_start=check_same_start)
-    except ValueError as exc:  # check_same_start: raised alike on every rank
+    except ValueError as exc:  # check_same_start, a payload mismatch: raised alike on every rank
         problem = str(exc)
-    except (CollectiveError, dist.DistError) as exc:
-        print(f"rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
-        remove_rendezvous_file(rendezvous)
-        os._exit(1)  # the group is broken (destroying it may block); let torchrun tear the job down
+    except (CollectiveError, dist.DistError) as exc:  # the group is broken
+        print_one_line(f"rank {comm.rank}: {exc}")
+        return EXIT_PEER_LOST, False
+    except OSError as exc:  # this rank's save (or its second look at --save-dir) failed: its peers'
+        print_one_line(f"rank {comm.rank}: {exc}")  # next collective with it fails
+        return EXIT_PEER_LOST, False
     if problem is not None:
-        dist.destroy_process_group()
-        return fail(problem)
+        return fail(problem), True
     print(f"rank {comm.rank}: eval loss {result['eval_loss']:.6f} | params {checksum(result['params'])} "
           f"| payload {result['payload_nbytes']} B/step | sent {result['bytes_sent']} B "
           f"| mean step {sum(result['step_s']) / max(1, len(result['step_s'])):.4f} s", flush=True)
-    dist.destroy_process_group()
-    return 0
+    return 0, True
 
 
 if __name__ == "__main__":

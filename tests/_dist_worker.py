@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from distro_opt.comm import resolve_backend
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
-from distro_opt.experiments.process_group import start_process_group
+from distro_opt.experiments.process_group import end_process, start_process_group
 
 GROUP_TIMEOUT_S = 60
 
@@ -355,14 +355,9 @@ def main() -> None:
             torch.save(results, path)
             os._exit(0)  # the group is broken: destroy_process_group could wait forever on the dead peer
     torch.save(results, path)
-    dist.destroy_process_group()
-    # Everything the tests check is saved and the group is ended: skip the interpreter's
-    # finalization too. Once in CI a rank aborted ("terminate called without an active exception")
-    # after its peer had completed every collective with it, so somewhere in teardown;
-    # pytorch/pytorch#179291 describes Gloo threads dropping tensors during finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Everything the tests check is saved: end the group and skip the interpreter's finalization,
+    # where a Gloo rank can abort (end_process).
+    end_process(0, None, destroy_group=True)
 
 
 if __name__ == "__main__":

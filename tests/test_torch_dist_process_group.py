@@ -201,6 +201,34 @@ def test_a_failed_hand_launched_train_ddp_job_deletes_its_file_and_the_same_comm
     assert not rendezvous.exists()
 
 
+END = textwrap.dedent("""
+    import atexit, datetime, sys
+    from pathlib import Path
+    import torch.distributed as dist
+    from distro_opt.experiments.process_group import RendezvousFile, end_process, single_process_group
+
+    single_process_group("gloo", datetime.timedelta(seconds=10))
+    destroy = dist.destroy_process_group
+    dist.destroy_process_group = lambda: (print("destroyed", file=sys.stderr), destroy())
+    atexit.register(lambda: print("finalized", file=sys.stderr))  # only in the interpreter's finalization
+    print("the last line")  # to a pipe: still in the buffer
+    code, how, rendezvous = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    end_process(code, RendezvousFile(Path(rendezvous), "this job"), destroy_group=how == "destroy")
+""")
+
+
+@pytest.mark.parametrize("how", ["destroy", "abandon"])
+def test_end_process_flushes_deletes_the_file_and_exits_without_finalization(tmp_path, how):
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.write_text("this job")
+    out = subprocess.run([sys.executable, "-c", END, "7", how, str(rendezvous)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 7, out.stderr
+    assert out.stdout == "the last line\n"
+    assert out.stderr == ("destroyed\n" if how == "destroy" else ""), out.stderr  # and not "finalized"
+    assert not rendezvous.exists()
+
+
 def test_world_of_one_creates_its_gloo_device_on_loopback(monkeypatch):
     import torch.distributed as dist
 

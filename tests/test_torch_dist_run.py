@@ -1,7 +1,8 @@
 """experiments.run as hand-launched torch.distributed ranks: a start that fails on one rank leaves
---out untouched, and a peer that dies mid-run makes the other print one line, exit 1 and delete the
-rendezvous file. Ranks are real processes (Gloo on 127.0.0.1, the rendezvous in a file), each
-bounded by a wall-clock timeout; whatever is left is killed on the way out.
+--out untouched, a peer that dies mid-run makes the other print one line, exit 1 and delete the
+rendezvous file, and Ctrl-C is one line and exit 130 on every rank. Ranks are real processes (Gloo
+on 127.0.0.1, the rendezvous in a file), each bounded by a wall-clock timeout; whatever is left is
+killed on the way out.
 """
 from __future__ import annotations
 
@@ -44,19 +45,35 @@ def test_a_start_that_fails_on_another_rank_leaves_out_untouched(corpus, tmp_pat
     assert not out.exists()  # the same command can run once the cache is there: no run to --resume
 
 
-def test_a_peer_dying_mid_run_is_one_line_and_exit_1_and_the_rendezvous_file_is_deleted(corpus, tmp_path):
-    out, rendezvous = tmp_path / "run", tmp_path / "rendezvous"
-    procs = start_ranks(tmp_path, [run_args(corpus, out, steps=100000)] * 2, rendezvous)
+def _wait_for_training(out, procs):
     deadline = time.monotonic() + 60
     while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").stat().st_size == 0:
         assert time.monotonic() < deadline and procs[0].poll() is None, "rank 0 never started training"
         time.sleep(0.1)
+
+
+def test_a_peer_dying_mid_run_is_one_line_and_exit_1_and_the_rendezvous_file_is_deleted(corpus, tmp_path):
+    out, rendezvous = tmp_path / "run", tmp_path / "rendezvous"
+    procs = start_ranks(tmp_path, [run_args(corpus, out, steps=100000)] * 2, rendezvous)
+    _wait_for_training(out, procs)
     procs[1].send_signal(signal.SIGKILL)
     (code, err), (killed, _) = wait_all(procs, 30)
     assert killed == -signal.SIGKILL
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith("rank 0 of 2: ") and " did not complete (" in err, err
     assert err.endswith("; continue with the same command plus --resume\n"), err
+    assert not rendezvous.exists()
+
+
+def test_ctrl_c_mid_run_is_one_line_and_exit_130_on_every_rank(corpus, tmp_path):
+    out, rendezvous = tmp_path / "run", tmp_path / "rendezvous"
+    procs = start_ranks(tmp_path, [run_args(corpus, out, steps=100000)] * 2, rendezvous)
+    _wait_for_training(out, procs)
+    for p in procs:  # as a terminal's Ctrl-C: every process of the job at once
+        p.send_signal(signal.SIGINT)
+    for rank, (code, err) in enumerate(wait_all(procs, 30)):
+        assert code == 130, err
+        assert err == f"rank {rank} of 2: interrupted; continue with the same command plus --resume\n", err
     assert not rendezvous.exists()
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +117,59 @@ def test_the_part_file_of_a_killed_save_is_deleted_by_the_next_check_but_not_one
         assert [f.name for f in tmp_path.iterdir()] == [writing.name]
 
 
+@pytest.fixture(params=["deletes", "holds"])
+def cleanup_in_the_gap(request, monkeypatch):
+    """Another rank's check_save_dir of the same directory meets the first file ddp_checkpoint creates
+    ("xb") between its creation and its lock: the whole cleanup runs then (it locks the new file,
+    deletes it, unlocks: "deletes"), or the cleanup is midway, holding the lock on the file it has
+    just deleted ("holds"). Yields the names of the files it met."""
+    import fcntl
+
+    from distro_opt.experiments import ddp_checkpoint
+
+    met, held = [], []
+
+    def cleanup(path):
+        if request.param == "deletes":
+            ddp_checkpoint._remove_leftovers(path.parent)
+            return
+        f = open(path, "rb")
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink()
+        held.append(f)
+
+    def create_then_cleanup(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if mode == "xb" and not met:
+            met.append(Path(path).name)
+            cleanup(Path(path))
+        return f
+
+    monkeypatch.setattr(ddp_checkpoint, "open", create_then_cleanup, raising=False)
+    yield met
+    for f in held:
+        f.close()
+
+
+def test_a_probe_that_another_ranks_cleanup_takes_for_a_leftover_is_made_again(tmp_path, cleanup_in_the_gap):
+    from distro_opt.experiments.ddp_checkpoint import check_save_dir
+
+    check_save_dir(str(tmp_path))
+    assert len(cleanup_in_the_gap) == 1 and cleanup_in_the_gap[0].startswith(".probe.")  # it happened
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_whose_part_file_another_ranks_cleanup_takes_for_a_leftover_still_saves(tmp_path,
+                                                                                      cleanup_in_the_gap):
+    from distro_opt.experiments.ddp_checkpoint import save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint(str(tmp_path), 0, 1, 5, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(cleanup_in_the_gap) == 1 and cleanup_in_the_gap[0].startswith(".rank0.pt.")
+    assert [f.name for f in tmp_path.iterdir()] == ["rank0.pt"]
+    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["step"] == 5
+
+
 def test_a_checkpoint_on_one_rank_stops_every_rank_at_start_with_one_line(tmp_path):
     held = tmp_path / "b"
     train(TrainConfig(steps=1, log=False, save_dir=str(held)), SingleWorkerBackend())
@@ -177,6 +232,38 @@ def test_ranks_resuming_from_different_checkpoints_are_refused_before_training(t
 def test_ranks_started_with_different_arguments_are_refused(tmp_path):
     results = two_ranks(tmp_path, [["--seed", "0"], ["--seed", "1"]])
     one_line_error_on_every_rank(results, "the ranks were started with different arguments (seed: 0, 1)")
+
+
+def test_ctrl_c_on_every_rank_is_one_line_and_exit_130_and_the_rendezvous_file_is_deleted(tmp_path):
+    rendezvous, log = tmp_path / "rendezvous", tmp_path / "rank0.log"
+    with open(log, "w") as out:
+        procs = [subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.train_ddp",
+                                   "--steps", "100000", "--timeout-s", "20", *([] if rank == 0 else ["--no-log"])],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1",
+                                       **one_machine_env(rank, 2, rendezvous)},
+                                  stdout=out, stderr=subprocess.PIPE, text=True)
+                 for rank in range(2)]
+        deadline = time.monotonic() + 30
+        while "step    3 |" not in log.read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, log.read_text()[-2000:]
+            time.sleep(0.05)
+        for p in procs:  # as a terminal's Ctrl-C: every process of the job at once
+            p.send_signal(signal.SIGINT)
+        results = wait_all(procs, 30)
+    for rank, (code, err) in enumerate(results):
+        assert code == 130 and err == f"rank {rank}: interrupted\n", err
+    assert not rendezvous.exists()
+
+
+def test_a_rank_whose_peer_never_comes_is_one_line_and_exit_1(tmp_path):
+    rendezvous = tmp_path / "rendezvous"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **one_machine_env(0, 2, rendezvous)}  # rank 1 never starts
+    (code, err), = wait_all([subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.train_ddp",
+                                               "--timeout-s", "2"], env=env, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.PIPE, text=True)], 40)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("rank 0: the process group did not start ("), err
+    assert not rendezvous.exists()
 
 
 # -- arguments -----------------------------------------------------------------------------------
