@@ -237,8 +237,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _local_work(self, entries):
         """The step's view of ``entries``: (group, local tensor) pairs, and their states with the
         momentum created where missing (``shards.LocalStates``; plain parameters are their own)."""
-        work = [(g, shards.local(p)) for g, p in entries]
         states = shards.LocalStates(self.state, [p for _, p in entries])
+        work = [(g, shards.local(p)) for g, p in entries] if states.any_sharded else entries
         for state, (_, p) in zip(states.dicts, work):
             momentum_state(state, p)
         return work, states

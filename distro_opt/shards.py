@@ -21,8 +21,13 @@ except ImportError:  # a torch without torch.distributed
     DTensor = Shard = None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_sharded(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor (asked several times per parameter and step: the type test first,
+    which answers for plain tensors without ``isinstance``'s slower walk)."""
+    return type(t) not in _PLAIN and DTensor is not None and isinstance(t, DTensor)
 
 
 def local(t):
@@ -105,11 +110,15 @@ class LocalStates:
 
     def __init__(self, opt_state, params):
         self._opt_state, self._params = opt_state, params
+        self.any_sharded = any(map(is_sharded, params))
         self.dicts = [
-            {k: local(v) for k, v in opt_state[p].items()} if is_sharded(p) else opt_state[p] for p in params
+            {k: local(v) for k, v in opt_state[p].items()} if self.any_sharded and is_sharded(p) else opt_state[p]
+            for p in params
         ]
 
     def write_back(self) -> None:
+        if not self.any_sharded:
+            return
         for p, work in zip(self._params, self.dicts):
             if not is_sharded(p):
                 continue
