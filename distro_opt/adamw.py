@@ -4,42 +4,9 @@ from __future__ import annotations
 import torch
 
 from .local_steps import LocalSteps, default_inner_optimizer, inner_group, synced_parameters
-from .optimizer import DecoupledMomentumOptimizer, check_hyperparameters
+from .optimizer import DecoupledMomentumOptimizer
+from .settings import ADAMW_FLAGS, check_adamw_flags, check_adamw_settings, check_hyperparameters
 from .updates import AdamUpdate, OuterUpdate, RmsUpdate, SignUpdate
-
-UPDATES = ("sign", "adam", "rms")
-# torch.optim.AdamW's flags and their defaults, accepted so that a call written for AdamW works here
-# unchanged. foreach and fused choose among torch's kernels; this optimizer's step has its own.
-ADAMW_FLAGS = dict(
-    amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
-)
-def check_adamw_flags(group, local_steps: bool) -> None:
-    """The AdamW flags (``ADAMW_FLAGS``) this optimizer cannot honour are refused, not ignored."""
-    if group.get("capturable"):
-        raise ValueError("capturable=True is not supported: a step that exchanges payloads between "
-                         "workers cannot be captured in a CUDA graph")
-    if group.get("differentiable"):
-        raise ValueError("differentiable=True is not supported: top-k and quantization have no gradient")
-    if group.get("amsgrad") and group["update"] != "adam" and not local_steps:
-        raise ValueError(
-            "amsgrad=True applies to update='adam' (or to the inner AdamW steps of sync_every > 1)"
-        )
-
-
-def check_adamw_settings(betas, eps, update, outer_lr, outer_momentum) -> None:
-    """torch-style validation of the settings DisTrOAdamW adds (``not 0.0 <= x``: NaN is rejected)."""
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
-    if update not in UPDATES:
-        raise ValueError(f"Invalid update: {update!r} (expected one of {UPDATES})")
-    if not 0.0 <= outer_lr:
-        raise ValueError(f"Invalid outer_lr value: {outer_lr}")
-    if not 0.0 <= outer_momentum < 1.0:
-        raise ValueError(f"Invalid outer_momentum value: {outer_momentum}")
-
 
 class DisTrOAdamW(DecoupledMomentumOptimizer):
     """AdamW's constructor, DeMo's communication (arXiv 2411.19870), Psyche's lean wire format.

@@ -1,7 +1,8 @@
 """DeMo: Decoupled Momentum Optimization (Peng, Quesnelle, Kingma 2024, arXiv 2411.19870)."""
 from __future__ import annotations
 
-from .optimizer import DecoupledMomentumOptimizer, check_hyperparameters
+from .optimizer import DecoupledMomentumOptimizer
+from .settings import check_hyperparameters
 from .updates import SignUpdate
 
 

@@ -20,28 +20,13 @@ import torch
 from distro_opt.comm import Backend, CommStats
 
 from . import checkpoint, guards, shards
+from .settings import check_hyperparameters, check_params
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
 from .step import apply_update, check_inputs, compress, unpack_payloads, momentum_state
 from .transform import DCTTransform
 from .updates import WeightDecay
-from .values import value_codec
 from .wire import PayloadLayout, param_spec
-
-
-def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits):
-    """torch-style validation (``not 0.0 <= x`` so that NaN is rejected too)."""
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not 0.0 <= compression_decay < 1.0:
-        raise ValueError(f"Invalid compression_decay value: {compression_decay}")
-    if not (isinstance(compression_topk, int) and compression_topk >= 1):
-        raise ValueError(f"Invalid compression_topk value: {compression_topk}")
-    if not (isinstance(compression_chunk, int) and compression_chunk >= 1):
-        raise ValueError(f"Invalid compression_chunk value: {compression_chunk}")
-    value_codec(compression_bits)
 
 
 def _with_group_copies(entries):
@@ -93,10 +78,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         per-group value fails here rather than silently doing something else at the first step."""
         super().add_param_group(param_group)
         try:
-            complex_params = [tuple(p.shape) for p in self.param_groups[-1]["params"] if p.is_complex()]
-            if complex_params:
-                raise ValueError(f"complex parameters are not supported (shapes {complex_params}): "
-                                 "pass torch.view_as_real views of them, or real parameters")
+            check_params(self.param_groups[-1]["params"])
             self._check_group(self.param_groups[-1])
         except ValueError:
             self.param_groups.pop()  # refused: the optimizer stays as it was
