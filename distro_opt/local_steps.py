@@ -207,7 +207,8 @@ class LocalSteps:
             sd["state"] = dict(sd["state"])
             return sd["state"].pop("local_step", 0), inner
         counts = {g.get("local_step") for g in sd["param_groups"]}
-        if len(counts) != 1 or not isinstance(next(iter(counts)), int) or next(iter(counts)) < 0:
+        count = next(iter(counts)) if len(counts) == 1 else None
+        if not (isinstance(count, int) and count >= 0):
             raise ValueError(f"checkpoint's param groups disagree on the local step: {sorted(map(str, counts))}")
         sd["param_groups"] = [{k: v for k, v in g.items() if k != "local_step"} for g in sd["param_groups"]]
         inner_states, outer_states = {}, {}
@@ -216,7 +217,7 @@ class LocalSteps:
             outer_states[i] = {k: v for k, v in st.items() if not k.startswith(INNER_PREFIX)}
         sd["state"] = {i: st for i, st in outer_states.items() if st}
         groups = self.inner_optimizer.state_dict()["param_groups"]
-        return next(iter(counts)), {"state": {i: st for i, st in inner_states.items() if st}, "param_groups": groups}
+        return count, {"state": {i: st for i, st in inner_states.items() if st}, "param_groups": groups}
 
     def finish_load(self, opt, taken) -> None:
         self.count, inner = taken

@@ -257,10 +257,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def _saveable(state: dict, p) -> dict:
         """One parameter's state as saved: each worker's own momentum in ``shards.per_replica``'s
         layout where ``p`` is sharded (the DTensor shard of a momentum stack copied)."""
-        state = shards.saveable(state)
-        if "delta" in state and shards.is_sharded(p):
+        if "delta" in state and shards.is_sharded(p):  # per_replica copies the shard: saveable then need not
             state = {**state, "delta": shards.per_replica(state["delta"], p)}
-        return state
+        return shards.saveable(state)
 
     def load_state_dict(self, state_dict):
         """As torch's, but buffers keep their saved dtype: torch would cast them to the parameter's,

@@ -54,9 +54,7 @@ def saveable(state: dict) -> dict:
 
     if not any(offset(v) for v in state.values()):
         return state
-    return {k: DTensor.from_local(v._local_tensor.clone(), v.device_mesh, v.placements, run_check=False,
-                                  shape=v.shape, stride=v.stride()) if offset(v) else v
-            for k, v in state.items()}
+    return {k: like_param(v._local_tensor.clone(), v) if offset(v) else v for k, v in state.items()}
 
 
 def _replica_layout(p):
