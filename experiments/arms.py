@@ -48,6 +48,9 @@ class Arm:
     label: str  # as written on the command line: names the arm in metrics, plots and summaries
     kind: str
     options: dict = field(default_factory=dict)
+    # Set on the points of a ``--sweep`` (experiments.sweep): the arm as typed, and this point's values
+    base: str = ""
+    point: dict = field(default_factory=dict)
 
     @property
     def slug(self) -> str:

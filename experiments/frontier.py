@@ -43,6 +43,8 @@ def load_points(run_dir: Path) -> list[dict]:
     tokens_per_worker_step = preset["batch_size"] * preset["seq_len"]
     setting = json.dumps({k: v for k, v in preset.items() if k not in _NOT_TRAINING}, sort_keys=True)
     arms = {a["label"]: a for a in config["arms"]}
+    if summary.get("tuned"):
+        return _tuned_points(run_dir, summary, config, arms, setting, preset, tokens_per_worker_step)
     points = []
     for label, result in summary["arms"].items():
         points.append(dict(
@@ -52,6 +54,23 @@ def load_points(run_dir: Path) -> list[dict]:
             gap_per_seed=result["gap_vs_adamw_pct_per_seed"], compression=result["compression_vs_dense_bf16"],
             setting=setting, reference=summary.get("reference"),
             loss_per_seed={s: v["final_val_loss"] for s, v in result["per_seed"].items()},
+        ))
+    return points
+
+
+def _tuned_points(run_dir, summary, config, arms, setting, preset, tokens_per_worker_step) -> list[dict]:
+    """A sweep's run: one point per arm as typed, at its chosen grid point, with the best-vs-best gap."""
+    tuned = summary["tuned"]
+    points = []
+    for base, t in tuned["arms"].items():
+        label = f"{base} (tuned: {', '.join(f'{k}={v}' for k, v in t['point'].items())})"
+        points.append(dict(
+            run=run_dir.name, arm=label, mode=mode_of(arms[t["label"]]), seeds=len(config["seeds"]),
+            steps=preset["steps"], tokens_per_worker_step=tokens_per_worker_step,
+            val_loss=t["final_val_loss_mean"], gap_pct=None if base == tuned["reference"] else t["gap_vs_tuned_adamw_pct_mean"],
+            gap_per_seed=t["gap_vs_tuned_adamw_pct_per_seed"] or [], compression=t["compression_vs_dense_bf16"],
+            setting=setting, reference=label if base == tuned["reference"] else None,
+            loss_per_seed=t["final_val_loss_per_seed"], tuned=True,
         ))
     return points
 

@@ -26,6 +26,7 @@ from distro_opt.comm import CommStats
 from distro_opt.guards import CHECKSUM_NBYTES
 
 from .files import write_atomic
+from .sweep import tuned_summary, tuned_table
 
 BF16_BYTES = 2
 
@@ -196,9 +197,14 @@ def job_summary(rows: list[dict], result: dict) -> dict:
 
 
 def reference_arm(arms: list[dict]) -> str | None:
-    """The AdamW arm gaps are measured against: the one labelled 'adamw', else the first AdamW arm."""
-    labels = [a["label"] for a in arms if a["kind"] == "adamw"]
-    return "adamw" if "adamw" in labels else (labels[0] if labels else None)
+    """The AdamW arm gaps are measured against: the one labelled 'adamw', else a sweep's AdamW point
+    at the arm's own lr (every value ``1x``), else the first AdamW arm."""
+    adamw = [a for a in arms if a["kind"] == "adamw"]
+    labels = [a["label"] for a in adamw]
+    if "adamw" in labels:
+        return "adamw"
+    unscaled = [a["label"] for a in adamw if a.get("point") and set(a["point"].values()) == {"1x"}]
+    return (unscaled or labels or [None])[0]
 
 
 def summarize(config: dict, rows: list[dict], results: dict) -> dict:
@@ -263,6 +269,9 @@ def summarize(config: dict, rows: list[dict], results: dict) -> dict:
             "bytes_match_formula": all(j["bytes_match_formula"] for j in jobs),
             "wall_s_mean": statistics.fmean(j["wall_s"] for j in jobs),
         }
+    tuned = tuned_summary(config["arms"], out["arms"], config["seeds"])
+    if tuned is not None:
+        out["tuned"] = tuned
     return out
 
 
@@ -303,6 +312,8 @@ def markdown_table(summary: dict) -> str:
         "(2(N-1)/N x 2 bytes x parameters sent). vs naive gather: (N-1) x 2 bytes x parameters received, "
         "the DisTrO report's convention. The AdamW arm all-reduces an fp32 gradient, hence 0.5x.",
     ]
+    if summary.get("tuned"):
+        lines += ["", tuned_table(summary["tuned"])]
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,9 @@ class Preset:
     eps: float = 1e-8
     weight_decay: float = 0.1
     seeds: str = "0"  # comma-separated; each arm runs once per seed from that seed's initialization
+    # "lr=0.5x,1x,2x,4x" (and ";outer_lr=..."): every arm at every point, compared best vs best
+    # (experiments.sweep); "" runs each arm once as written
+    sweep: str = ""
     # measurement
     eval_every: int = 50
     eval_batches: int = 4  # x eval_batch_size x seq_len = 8K fixed validation tokens (smoke)

@@ -31,6 +31,7 @@ from .data import CorpusError, check_corpus_fits, load_corpus
 from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
+from .sweep import expand, parse_sweep
 from .train import COUNTERS, Job, LossTable, StopSignal, check_resumable, run_worker
 
 EXIT_INTERRUPTED = 130
@@ -59,7 +60,9 @@ def build_parser() -> Parser:
     p.epilog = (
         "Arms: adamw (torch AdamW, gradients all-reduced through the same backend), distro "
         "(DisTrOAdamW), demo (DeMo); options as kind:key=value,... e.g. distro:topk=8,bits=2 "
-        "(topk, bits, chunk, decay, wd, or any keyword of the optimizer)."
+        "(topk, bits, chunk, decay, wd, or any keyword of the optimizer). --sweep \"lr=0.5x,1x,2x,4x\" "
+        "runs every arm at each lr (a multiple of its own, or a number) and reports the best point of "
+        "each against AdamW's best; \";outer_lr=0.7,1\" adds the outer lr for arms with local steps."
     )
     return p
 
@@ -236,6 +239,7 @@ def main(argv=None) -> int:
     try:
         preset = apply_overrides(get_preset(args.preset), args)
         arms = parse_arms(preset.arms)  # first: what was typed, before what the preset brings
+        arms = expand(arms, parse_sweep(preset.sweep), preset.lr)
         preset.validate()
         for arm in arms:
             check_arm(arm, preset)
