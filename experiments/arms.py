@@ -137,11 +137,11 @@ def parse_arms(text: str) -> list[Arm]:
     labels = [a.label for a in arms]
     if len(set(labels)) != len(labels):
         raise ValueError(f"Invalid arms {text!r}: an arm is listed twice")
-    _check_distinct_files(arms)
+    check_distinct_files(arms)
     return arms
 
 
-def _check_distinct_files(arms: list[Arm]) -> None:
+def check_distinct_files(arms: list[Arm]) -> None:
     """Results and checkpoints are named by slug: two arms with one slug would share them, and the
     second would be skipped as already finished. Compared case-blind, as some file systems do."""
     seen: dict[str, Arm] = {}

@@ -5,7 +5,9 @@ Reads the ``summary.json`` and ``config.json`` of one or more run directories wr
 ``--out``. Each arm is one point: its mean final validation-loss gap to the run's AdamW arm (paired
 per seed) against what one worker sends per step relative to a dense bf16 gradient. A run without
 an AdamW arm is paired with the AdamW arm of another run given that trained with the same settings. Arms are
-grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo. When the runs differ in
+grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo. A ``--sweep`` run gives one
+point per arm, at its best grid point, with its gap to the best AdamW point (of that run, or of another
+sweep run with the same settings). When the runs differ in
 tokens per worker-step (``--batch-size``, ``--seq-len``), a second panel draws each arm's gap against
 it.
 
@@ -30,7 +32,8 @@ def mode_of(arm: dict) -> str:
 
 
 # Preset fields that do not change what an arm learns: runs that differ only in these share an AdamW.
-_NOT_TRAINING = {"name", "arms", "seeds", "eval_every", "checkpoint_every", "torch_threads", "timeout_s"}
+# The grid is not one either: a sweep's tuned points pair with the tuned AdamW of another sweep run.
+_NOT_TRAINING = {"name", "arms", "seeds", "sweep", "eval_every", "checkpoint_every", "torch_threads", "timeout_s"}
 
 
 def load_points(run_dir: Path) -> list[dict]:
@@ -79,14 +82,14 @@ def pair_with_adamw(points: list[dict]) -> list[dict]:
     """Give arms of runs without an AdamW arm the gap to an AdamW arm of another run given, trained
     with the same settings and seeds (runs are deterministic per seed, so AdamW need not run twice).
     Arms with no such AdamW keep ``gap_pct`` None."""
-    adamw: dict[str, dict[str, float]] = {}
+    adamw: dict[tuple[str, bool], dict[str, float]] = {}  # tuned points pair only with a tuned AdamW
     for p in points:
         if p["mode"] == "adamw" and p["arm"] == p["reference"]:
-            adamw.setdefault(p["setting"], {}).update(p["loss_per_seed"])
+            adamw.setdefault((p["setting"], p.get("tuned", False)), {}).update(p["loss_per_seed"])
     for p in points:
         if p["gap_pct"] is not None:
             continue
-        ref = adamw.get(p["setting"], {})
+        ref = adamw.get((p["setting"], p.get("tuned", False)), {})
         gaps = [100.0 * (loss / ref[s] - 1) for s, loss in p["loss_per_seed"].items() if s in ref]
         if gaps:
             p["gap_per_seed"], p["gap_pct"] = gaps, sum(gaps) / len(gaps)

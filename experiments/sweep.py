@@ -22,7 +22,7 @@ import itertools
 import re
 import statistics
 
-from .arms import Arm, _optimizer_class
+from .arms import Arm, _optimizer_class, check_distinct_files
 
 SWEEP_KEYS = ("lr", "outer_lr")
 _POINT = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?x?$", re.IGNORECASE)
@@ -98,6 +98,7 @@ def expand(arms: list[Arm], grid: dict[str, list[GridValue]], preset_lr: float) 
                 label=label, kind=arm.kind, options=_point_options(arm, point, preset_lr),
                 base=arm.label, point={k: v.text for k, v in point.items()},
             ))
+    check_distinct_files(out)  # "1x" and "1X" would share result files
     return out
 
 

@@ -34,3 +34,46 @@ def train(model, opt, steps, rank=0, start=0):
 
 # the experiment runner's smallest transformer, as its command-line flags
 TINY_TRANSFORMER_FLAGS = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--d-ff", "64"]
+
+
+def tiny_args(corpus, out, steps=12, extra=()):
+    """experiments.run arguments for a seconds-long run of the tiny transformer on the conftest corpus."""
+    folder, cache = corpus
+    return [
+        "--preset",
+        "smoke",
+        "--arms",
+        "adamw,distro",
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        "--cache",
+        str(cache),
+        "--corpus",
+        str(folder),
+        "--tokenizer",
+        "byte",
+        *TINY_TRANSFORMER_FLAGS,
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--steps",
+        str(steps),
+        "--warmup-steps",
+        "2",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "2",
+        "--eval-batch-size",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--no-progress",
+        "--no-plots",
+        "--timeout-s",
+        "60",
+        *extra,
+    ]

@@ -23,7 +23,7 @@ from distro_opt.experiments.model import build_model
 from distro_opt.experiments.process_group import one_machine_env
 from distro_opt.experiments.presets import get_preset
 
-from _models import TINY_TRANSFORMER_FLAGS
+from _models import tiny_args
 from _procs import wait_all
 
 COMPARED = (
@@ -37,48 +37,6 @@ COMPARED = (
     "cum_received_bytes",
     "collectives",
 )
-
-
-def tiny_args(corpus, out, steps=12, extra=()):
-    folder, cache = corpus
-    return [
-        "--preset",
-        "smoke",
-        "--arms",
-        "adamw,distro",
-        "--workers",
-        "2",
-        "--out",
-        str(out),
-        "--cache",
-        str(cache),
-        "--corpus",
-        str(folder),
-        "--tokenizer",
-        "byte",
-        *TINY_TRANSFORMER_FLAGS,
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "2",
-        "--steps",
-        str(steps),
-        "--warmup-steps",
-        "2",
-        "--eval-every",
-        "4",
-        "--eval-batches",
-        "2",
-        "--eval-batch-size",
-        "4",
-        "--checkpoint-every",
-        "4",
-        "--no-progress",
-        "--no-plots",
-        "--timeout-s",
-        "60",
-        *extra,
-    ]
 
 
 def comparable(rows):
