@@ -10,22 +10,10 @@
 # holds three Canterbury-corpus texts: Alice in Wonderland, Paradise Lost, a technical lecture).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
 OUT=${1:-runs/study}
 LOCAL="distro:sync_every=8,topk=64,bits=2"
 mkdir -p "$OUT"
-
-run() {  # run NAME ARGS...: one experiments.run into $OUT/NAME, unless it already finished
-    local name=$1
-    shift
-    if [ -f "$OUT/$name/summary.json" ]; then
-        echo "== $name: done already"
-    elif [ -d "$OUT/$name" ]; then
-        "$PY" -m experiments.run --no-progress --out "$OUT/$name" "$@" --resume
-    else
-        "$PY" -m experiments.run --no-progress --out "$OUT/$name" "$@"
-    fi
-}
+. research/_common.sh
 
 # 1. Tokens per worker-step at a fixed budget (4 workers x 4,800 sequences of 128 tokens each).
 run tok-b4 --preset smoke --batch-size 4 --steps 1200 --warmup-steps 120 --eval-every 100 --arms "adamw,distro,$LOCAL"
@@ -103,20 +91,7 @@ run parity-one-worker --preset parity --seeds 0 --workers 1 --arms adamw
 run parity-one-worker-seed1 --preset parity --seeds 1 --workers 1 --arms adamw
 # 5. Text the study never saw: three Canterbury-corpus texts (Shakespeare's asyoulik.txt left out).
 CORPUS="$OUT/corpus-canterbury"
-if [ ! -f "$CORPUS/alice29.txt" ]; then
-    mkdir -p "$OUT/downloads" "$CORPUS"
-    "$PY" -m pip download --no-deps --no-binary :all: brotli==1.2.1 -d "$OUT/downloads"
-    "$PY" - "$OUT/downloads/brotli-1.2.1.tar.gz" "$CORPUS" <<'PY'
-import sys, tarfile
-from pathlib import Path
-
-with tarfile.open(sys.argv[1]) as sdist:
-    for name in ("alice29.txt", "plrabn12.txt", "lcet10.txt"):
-        data = sdist.extractfile(f"brotli-1.2.1/tests/testdata/{name}").read()
-        (Path(sys.argv[2]) / name).write_bytes(data)
-PY
-fi
-"$PY" -m experiments.prepare --corpus "$CORPUS"
+canterbury_corpus "$CORPUS"
 run canterbury-b4 --preset smoke --corpus "$CORPUS" --arms "adamw,distro,$LOCAL"
 # 6. Model width at the smoke preset's settings (scale-d128 is the smoke model itself): does the gap
 #    shrink as the model grows?

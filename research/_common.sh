@@ -1,0 +1,34 @@
+# Sourced by the study scripts beside it: PY, OUT and the two steps every study takes.
+PY=${PYTHON:-.venv/bin/python}
+
+run() {  # run NAME ARGS...: one experiments.run into $OUT/NAME, unless it already finished
+    local name=$1
+    shift
+    if [ -f "$OUT/$name/summary.json" ]; then
+        echo "== $name: done already"
+    elif [ -d "$OUT/$name" ]; then
+        "$PY" -m experiments.run --no-progress --out "$OUT/$name" "$@" --resume
+    else
+        "$PY" -m experiments.run --no-progress --out "$OUT/$name" "$@"
+    fi
+}
+
+canterbury_corpus() {  # canterbury_corpus DIR: three Canterbury-corpus texts in DIR, prepared
+    # From the test data of the PyPI sdist brotli==1.2.1 (network access to PyPI once): Alice in
+    # Wonderland, Paradise Lost, a technical lecture (Shakespeare's asyoulik.txt left out).
+    local dir=$1
+    if [ ! -f "$dir/alice29.txt" ]; then
+        mkdir -p "$OUT/downloads" "$dir"
+        "$PY" -m pip download --no-deps --no-binary :all: brotli==1.2.1 -d "$OUT/downloads"
+        "$PY" - "$OUT/downloads/brotli-1.2.1.tar.gz" "$dir" <<'PY'
+import sys, tarfile
+from pathlib import Path
+
+with tarfile.open(sys.argv[1]) as sdist:
+    for name in ("alice29.txt", "plrabn12.txt", "lcet10.txt"):
+        data = sdist.extractfile(f"brotli-1.2.1/tests/testdata/{name}").read()
+        (Path(sys.argv[2]) / name).write_bytes(data)
+PY
+    fi
+    "$PY" -m experiments.prepare --corpus "$dir"
+}

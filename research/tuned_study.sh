@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The tuned comparison behind docs/results-tuned.md: every arm at the same four learning rates
+# (local steps also at two outer lrs), seeds 0 and 1, on Shakespeare and on three Canterbury-corpus
+# texts; each arm at its best point against AdamW at its best. Then the two tuned frontiers.
+# About two hours on 2 CPU cores; finished runs are skipped and interrupted ones resume.
+#
+#   bash research/tuned_study.sh [OUT]      # OUT defaults to runs/study
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/study}
+mkdir -p "$OUT"
+. research/_common.sh
+GRID="lr=1x,2x,4x,8x"
+SPLIT="distro:embed.topk=8,matrix.topk=2,decay=0.9"   # per-kind top-k (1,031x)
+UNIFORM="distro:topk=3,decay=0.9"                     # the same idea for every parameter (1,135x)
+LOCAL="distro:sync_every=16,topk=12,bits=2,embed.topk=31,matrix.topk=6"  # local steps (5,751x)
+CORPUS="$OUT/corpus-canterbury"
+canterbury_corpus "$CORPUS"
+for text in sh ca; do
+    corpus=()
+    [ "$text" = ca ] && corpus=(--corpus "$CORPUS")
+    run "$text-p" --preset smoke "${corpus[@]}" --seeds 0,1 --sweep "$GRID" --arms "adamw,distro,$SPLIT"
+    run "$text-u" --preset smoke "${corpus[@]}" --seeds 0,1 --sweep "$GRID" --arms "$UNIFORM"
+    run "$text-l" --preset smoke "${corpus[@]}" --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --arms "$LOCAL"
+    "$PY" -m experiments.frontier "$OUT/$text-p" "$OUT/$text-u" "$OUT/$text-l" \
+        --out "$OUT/frontier-tuned-$text" --force
+done
