@@ -16,12 +16,11 @@ UNIFORM="distro:topk=3,decay=0.9"                     # the same idea for every 
 LOCAL="distro:sync_every=16,topk=12,bits=2,embed.topk=31,matrix.topk=6"  # local steps (5,751x)
 CORPUS="$OUT/corpus-canterbury"
 canterbury_corpus "$CORPUS"
-for text in sh ca; do
-    corpus=()
-    [ "$text" = ca ] && corpus=(--corpus "$CORPUS")
-    run "$text-p" --preset smoke "${corpus[@]}" --seeds 0,1 --sweep "$GRID" --arms "adamw,distro,$SPLIT"
-    run "$text-u" --preset smoke "${corpus[@]}" --seeds 0,1 --sweep "$GRID" --arms "$UNIFORM"
-    run "$text-l" --preset smoke "${corpus[@]}" --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --arms "$LOCAL"
-    "$PY" -m experiments.frontier "$OUT/$text-p" "$OUT/$text-u" "$OUT/$text-l" \
-        --out "$OUT/frontier-tuned-$text" --force
-done
+TUNED=(--preset smoke --seeds 0,1 --sweep "$GRID")
+run sh-p "${TUNED[@]}" --arms "adamw,distro,$SPLIT"
+run sh-u "${TUNED[@]}" --arms "$UNIFORM"
+run ca-p "${TUNED[@]}" --corpus "$CORPUS" --arms "adamw,distro,$UNIFORM"
+run sh-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --arms "$LOCAL"
+run ca-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --corpus "$CORPUS" --arms "$LOCAL"
+"$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-l" --out "$OUT/frontier-tuned-sh" --force
+"$PY" -m experiments.frontier "$OUT/ca-p" "$OUT/ca-l" --out "$OUT/frontier-tuned-ca" --force
