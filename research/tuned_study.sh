@@ -10,14 +10,14 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/study}
 mkdir -p "$OUT"
 . research/_common.sh
-GRID="lr=1x,2x,4x,8x"
+GRID="lr=2x,4x,8x"  # sh-p: lr=1x,2x,4x,8x (1x was the worst point of every arm there)
 SPLIT="distro:embed.topk=8,matrix.topk=2,decay=0.9"   # per-kind top-k (1,031x)
 UNIFORM="distro:topk=3,decay=0.9"                     # the same idea for every parameter (1,135x)
 LOCAL="distro:sync_every=16,topk=12,bits=2,embed.topk=31,matrix.topk=6"  # local steps (5,751x)
 CORPUS="$OUT/corpus-canterbury"
 canterbury_corpus "$CORPUS"
 TUNED=(--preset smoke --seeds 0,1 --sweep "$GRID")
-run sh-p "${TUNED[@]}" --arms "adamw,distro,$SPLIT"
+run sh-p --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x,8x" --arms "adamw,distro,$SPLIT"
 run sh-u "${TUNED[@]}" --arms "$UNIFORM"
 run ca-p "${TUNED[@]}" --corpus "$CORPUS" --arms "adamw,distro,$UNIFORM"
 run sh-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --arms "$LOCAL"
