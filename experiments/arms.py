@@ -28,6 +28,7 @@ from distro_opt import DeMo, DisTrOAdamW
 from distro_opt.comm import SingleWorkerBackend
 
 from .cli import BOOL_WORDS
+from .peer_arms import PEER_ALIASES, PEER_KINDS, check_peer_options, peer_allowed_options, peer_option_type
 
 ALIASES = {
     "topk": "compression_topk",
@@ -35,8 +36,10 @@ ALIASES = {
     "chunk": "compression_chunk",
     "decay": "compression_decay",
     "wd": "weight_decay",
+    "H": "sync_every",
+    **PEER_ALIASES,
 }
-KINDS = ("adamw", "distro", "demo")
+KINDS = ("adamw", "distro", "demo", "diloco", *PEER_KINDS)
 PARTS = ("embed", "norm", "matrix")
 # Not options: what the runner passes itself, a factory (no string names one), and modes its
 # training loop does not run (CUDA-graph capture, a differentiable step)
@@ -55,17 +58,32 @@ class Arm:
         return re.sub(r"[^A-Za-z0-9.+-]+", "_", self.label).strip("_")
 
 
+# DiLoCo (Douillard et al. 2023, arXiv 2311.08455): inner AdamW, every H steps the pseudo-gradient,
+# an outer Nesterov SGD step (lr 0.7, momentum 0.9). DisTrOAdamW's local-step mode with nothing
+# compressed: every DCT coefficient sent (an orthonormal transform, so the pseudo-gradient itself),
+# as bf16, no error feedback (decay 0). H = 30 suits the runner's short runs (the paper: 500).
+DILOCO_SETTINGS = {"sync_every": 30, "outer_lr": 0.7, "outer_momentum": 0.9, "compression_decay": 0.0,
+                   "compression_bits": 16}
+_DILOCO_FIXED = {"compression_topk", "compression_bits", "compression_decay", "update", "overlap"}
+
+
 def _optimizer_class(kind: str):
-    return {"adamw": torch.optim.AdamW, "distro": DisTrOAdamW, "demo": DeMo}[kind]
+    return {"adamw": torch.optim.AdamW, "distro": DisTrOAdamW, "demo": DeMo, "diloco": DisTrOAdamW}[kind]
 
 
 def _allowed_options(kind: str) -> set[str]:
-    return set(inspect.signature(_optimizer_class(kind).__init__).parameters) - _NOT_OPTIONS
+    if kind in PEER_KINDS:
+        return peer_allowed_options(kind)
+    allowed = set(inspect.signature(_optimizer_class(kind).__init__).parameters) - _NOT_OPTIONS
+    return allowed - _DILOCO_FIXED if kind == "diloco" else allowed
 
 
 def _group_keys(kind: str) -> set[str]:
     """Hyperparameters that live in param groups (what a per-kind setting may change). A local
-    backend: asking must not touch an initialized torch.distributed default group."""
+    backend: asking must not touch an initialized torch.distributed default group. Peer arms have
+    one group, their own."""
+    if kind in PEER_KINDS:
+        return set()
     comm = {} if kind == "adamw" else {"comm": SingleWorkerBackend()}
     return set(_optimizer_class(kind)([torch.nn.Parameter(torch.zeros(1))], **comm).defaults)
 
@@ -80,6 +98,8 @@ def param_part(name: str, p: torch.Tensor) -> str:
 def _option_type(kind: str, name: str):
     """The type an option's value must have (bool, int, float or str), from the optimizer's annotation;
     None when it names no single one of these (betas, inner_optimizer): such values are guessed."""
+    if kind in PEER_KINDS:
+        return peer_option_type(kind, name)
     hint = typing.get_type_hints(_optimizer_class(kind).__init__).get(name)
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     choices = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
@@ -193,6 +213,8 @@ def optimizer_kwargs(arm: Arm, preset) -> dict:
         "weight_decay": preset.weight_decay,
     }
     kwargs = {k: v for k, v in base.items() if k in allowed}
+    if arm.kind == "diloco":
+        kwargs.update(DILOCO_SETTINGS)
     kwargs.update({k: v for k, v in arm.options.items() if "." not in k})
     return kwargs
 
@@ -223,12 +245,18 @@ def build_optimizer(arm: Arm, named_params, preset, backend):
     groups = param_groups(arm, named_params)
     if arm.kind == "adamw":
         return torch.optim.AdamW(groups, **kwargs)
+    if arm.kind == "diloco":  # every coefficient of a chunk: the whole pseudo-gradient
+        chunk = inspect.signature(DisTrOAdamW.__init__).parameters["compression_chunk"].default
+        kwargs["compression_topk"] = kwargs.get("compression_chunk", chunk) ** 2
     return _optimizer_class(arm.kind)(groups, comm=backend, **kwargs)
 
 
 def check_arm(arm: Arm, preset) -> None:
-    """Build the arm's optimizer on a dummy parameter, so bad option values fail before any training."""
+    """Build the arm's optimizer on a dummy parameter, so bad option values fail before any training.
+    A peer arm's optimizer needs torch.distributed: its options get the checks its constructor makes."""
     try:
+        if arm.kind in PEER_KINDS:
+            return check_peer_options(arm.kind, optimizer_kwargs(arm, preset))
         dummies = [("embed.weight", torch.zeros(4, 2)), ("norm.weight", torch.zeros(2)), ("w", torch.zeros(2, 2))]
         build_optimizer(arm, [(n, torch.nn.Parameter(t)) for n, t in dummies], preset, SingleWorkerBackend())
     except (TypeError, ValueError) as exc:
