@@ -1,7 +1,8 @@
 """Arms of an experiment: which optimizer a run trains with, parsed from ``--arms``.
 
 Syntax: arms are comma-separated; an arm is ``kind`` or ``kind:key=value,key=value``
-(``adamw``, ``distro``, ``demo``, ``distro:topk=8,bits=2``). A comma followed by ``key=value`` continues
+(``adamw``, ``distro``, ``demo``, ``diloco``, ``distro:topk=8,bits=2``; the peer arms
+``demo-peer`` and ``powersgd``, whose options ``peer_arms`` lists). A comma followed by ``key=value`` continues
 the previous arm's options. Keys are the optimizer's keyword arguments, or the short names in
 ``ALIASES``. Unknown kinds and options are errors, so a typo never silently runs the default. A value
 is read as the type of the optimizer's parameter (a boolean as true/false, yes/no, on/off or 1/0, as
@@ -241,6 +242,9 @@ def param_groups(arm: Arm, named_params) -> list[dict]:
 def build_optimizer(arm: Arm, named_params, preset, backend):
     """The arm's optimizer over ``named_params`` ((name, parameter) pairs). AdamW's gradient
     all-reduce is the runner's job."""
+    if arm.kind in PEER_KINDS:
+        raise ValueError(f"arm {arm.label!r} is built by the training loop on the model itself, under "
+                         "torch.distributed (experiments.peer_arms)")
     kwargs = optimizer_kwargs(arm, preset)
     groups = param_groups(arm, named_params)
     if arm.kind == "adamw":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from distro_opt.comm import CommStats
+from distro_opt.updates import OuterUpdate
 from distro_opt.experiments import run
 from distro_opt.experiments.arms import build_optimizer, parse_arms
 from distro_opt.experiments.model import build_model
@@ -94,6 +95,20 @@ def test_the_diloco_arm_is_distro_local_steps_with_nesterov_outer_sgd_and_every_
     assert group["compression_topk"] == 64 * 64 and group["compression_bits"] == 16
     assert group["compression_decay"] == 0.0
     assert isinstance(opt.inner_optimizer, torch.optim.AdamW)
+
+
+def test_the_outer_update_is_torchs_nesterov_sgd_on_the_pseudo_gradient():
+    g = torch.Generator().manual_seed(0)
+    anchor = torch.randn(8, 8, generator=g)
+    state, group = {"anchor": anchor.clone()}, {"outer_lr": 0.7, "outer_momentum": 0.9}
+    reference = torch.nn.Parameter(anchor.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(3):  # the second sync on is where momentum (and Nesterov's look-ahead) shows
+        pseudo_gradient = torch.randn(8, 8, generator=g)
+        OuterUpdate()(group, torch.zeros(8, 8), pseudo_gradient.clone(), state)
+        reference.grad = pseudo_gradient.clone()
+        sgd.step()
+        torch.testing.assert_close(state["anchor"], reference.detach())
 
 
 @pytest.mark.parametrize("arms", ["demo-peer", "adamw,powersgd:rank=2"])
