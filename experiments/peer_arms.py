@@ -35,7 +35,7 @@ _OPTIONS = {
                   "compression_chunk": int},
     "powersgd": {"lr": float, "eps": float, "weight_decay": float, "matrix_approximation_rank": int,
                  "start_powerSGD_iter": int, "min_compression_rate": float, "use_error_feedback": bool,
-                 "warm_start": bool, "betas": None},
+                 "warm_start": bool, "bucket_cap_mb": float, "betas": None},
 }
 _DEMO_NAMES = {"compression_topk": "compression_top_k"}
 LAUNCH = (
@@ -185,15 +185,22 @@ class PowerSGDPeerOptimizer(PeerOptimizer):
         self.hook_state = powersgd.PowerSGDState(
             process_group=None, **{k: v for k, v in options.items() if k in self.HOOK_KEYS}
         )
-        # no buffer broadcast: rank 0 evaluates alone, and the buffers are the same on every rank
-        ddp = DistributedDataParallel(model, broadcast_buffers=False)
+        # no buffer broadcast in each forward pass: the buffers (RoPE tables) are the same on every
+        # rank, and it would be traffic outside the ledger
+        ddp_keys = {k: v for k, v in options.items() if k == "bucket_cap_mb"}
+        ddp = DistributedDataParallel(model, forward_sync_buffers=False, **ddp_keys)
         self._hook = powersgd.powerSGD_hook
         ddp.register_comm_hook(self.hook_state, self._counted_hook)
-        adamw = torch.optim.AdamW(model.parameters(), **{k: v for k, v in options.items() if k not in self.HOOK_KEYS})
+        adamw = torch.optim.AdamW(model.parameters(), **{k: v for k, v in options.items() if k not in (*self.HOOK_KEYS, "bucket_cap_mb")})
         self.shapes = [p.shape for p in model.parameters() if p.requires_grad]
         super().__init__(adamw, ddp, 4 * sum(s.numel() for s in self.shapes))
         self.backend = backend
         self._step_bytes = 0
+        # Gloo runs the hook's chained all-reduces (P, then Q) from its own threads as each one
+        # completes, so two buckets' chains can reach the wire in different orders on different
+        # ranks: a collective mismatch (or a hang). Finishing each bucket's chain before DDP hands
+        # over the next keeps one order; NCCL enqueues them in call order and needs no wait.
+        self._one_bucket_at_a_time = torch.distributed.get_backend() == "gloo"
 
     def _counted_hook(self, state, bucket):
         shapes, dense = [g.shape for g in bucket.gradients()], state.iter < state.start_powerSGD_iter
@@ -203,6 +210,8 @@ class PowerSGDPeerOptimizer(PeerOptimizer):
         )
         before = state.total_numel_after_compression
         future = self._hook(state, bucket)
+        if self._one_bucket_at_a_time:
+            future.wait()
         # the hook's own statistic: the elements it all-reduced for this bucket, once compressing
         moved, counted = state.total_numel_after_compression - before, sum(powersgd_elements(shapes, rank, rate))
         if not dense and moved != counted:

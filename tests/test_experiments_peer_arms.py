@@ -62,7 +62,8 @@ def test_demo_peer_trains_and_its_bytes_are_its_all_gathers_and_its_own_counters
 
 
 def test_powersgd_trains_and_its_bytes_are_dense_then_p_q_and_uncompressed(corpus, tmp_path):
-    arm, result = _run_ranks(corpus, tmp_path, "powersgd:rank=2,start_iter=3,lr=0.003")
+    # small DDP buckets: several per step, whose chained all-reduces Gloo must see in one order
+    arm, result = _run_ranks(corpus, tmp_path, "powersgd:rank=2,start_iter=3,lr=0.003,bucket_cap_mb=0.02")
     params = _model_shapes(result)
     plain, p_total, q_total = powersgd_elements([p.shape for p in params], 2, 2.0)
     assert p_total > 0 and q_total > 0 and plain > 0  # both kinds of tensor occur in the model
