@@ -80,10 +80,9 @@ class PeerOptimizer:
     """A peer's optimizer as the training loop drives it. ``forward_module`` is what the loss is
     computed through (the DDP wrapper for powersgd); evaluation uses the plain model."""
 
-    def __init__(self, optimizer, forward_module, payload_nbytes: int):
+    def __init__(self, optimizer, forward_module):
         self.optimizer = optimizer
         self.forward_module = forward_module
-        self.payload_nbytes = payload_nbytes
         self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
 
     @property
@@ -123,7 +122,8 @@ class DeMoPeerOptimizer(PeerOptimizer):
         kwargs = {_DEMO_NAMES.get(k, k): v for k, v in options.items()}
         opt = DeMo(model.parameters(), **kwargs)
         params = [p for p in model.parameters() if p.requires_grad]
-        super().__init__(opt, model, demo_payload_nbytes(params, opt.compression_top_k, opt.compression_chunk))
+        super().__init__(opt, model)
+        self.payload_nbytes = demo_payload_nbytes(params, opt.compression_top_k, opt.compression_chunk)
         self.backend = backend
 
     def step(self) -> None:
@@ -160,14 +160,17 @@ def powersgd_elements(shapes, rank: int, min_compression_rate: float) -> tuple[i
     return plain, p_total, q_total
 
 
-def powersgd_sent_bytes(shapes, element_size: int, world: int, dense: bool, rank: int,
-                        min_compression_rate: float) -> int:
-    """Bytes one rank sends for one bucket of gradients of ``shapes`` in one step: the bucket's ring
-    all-reduce while ``dense`` (before ``start_powerSGD_iter``), else the three of ``powersgd_elements``."""
+def powersgd_all_reduces(shapes, element_size: int, dense: bool, rank: int, min_compression_rate: float) -> list[int]:
+    """The sizes in bytes of the all-reduces PowerSGD runs for one bucket of gradients of ``shapes``
+    in one step: the whole bucket while ``dense`` (before ``start_powerSGD_iter``), else the three
+    tensors of ``powersgd_elements``."""
     if dense:
-        return CommStats.ring_all_reduce_bytes(element_size * sum(torch.Size(s).numel() for s in shapes), world)
-    return sum(CommStats.ring_all_reduce_bytes(element_size * n, world)
-               for n in powersgd_elements(shapes, rank, min_compression_rate))
+        return [element_size * sum(torch.Size(s).numel() for s in shapes)]
+    return [element_size * n for n in powersgd_elements(shapes, rank, min_compression_rate)]
+
+
+def ring_sent_bytes(sizes, world: int) -> int:
+    return sum(CommStats.ring_all_reduce_bytes(n, world) for n in sizes)
 
 
 class PowerSGDPeerOptimizer(PeerOptimizer):
@@ -191,11 +194,11 @@ class PowerSGDPeerOptimizer(PeerOptimizer):
         ddp = DistributedDataParallel(model, forward_sync_buffers=False, **ddp_keys)
         self._hook = powersgd.powerSGD_hook
         ddp.register_comm_hook(self.hook_state, self._counted_hook)
-        adamw = torch.optim.AdamW(model.parameters(), **{k: v for k, v in options.items() if k not in (*self.HOOK_KEYS, "bucket_cap_mb")})
+        adamw_keys = {k: v for k, v in options.items() if k not in (*self.HOOK_KEYS, *ddp_keys)}
+        super().__init__(torch.optim.AdamW(model.parameters(), **adamw_keys), ddp)
         self.shapes = [p.shape for p in model.parameters() if p.requires_grad]
-        super().__init__(adamw, ddp, 4 * sum(s.numel() for s in self.shapes))
         self.backend = backend
-        self._step_bytes = 0
+        self._step_bytes, self._message_bytes, self._steps = 0, 0, 0
         # Gloo runs the hook's chained all-reduces (P, then Q) from its own threads as each one
         # completes, so two buckets' chains can reach the wire in different orders on different
         # ranks: a collective mismatch (or a hang). Finishing each bucket's chain before DDP hands
@@ -205,15 +208,16 @@ class PowerSGDPeerOptimizer(PeerOptimizer):
     def _counted_hook(self, state, bucket):
         shapes, dense = [g.shape for g in bucket.gradients()], state.iter < state.start_powerSGD_iter
         rank, rate = state.matrix_approximation_rank, state.min_compression_rate
-        self._step_bytes += powersgd_sent_bytes(
-            shapes, bucket.buffer().element_size(), self.backend.world_size, dense, rank, rate
-        )
+        sizes = powersgd_all_reduces(shapes, bucket.buffer().element_size(), dense, rank, rate)
+        self._step_bytes += ring_sent_bytes(sizes, self.backend.world_size)
+        self._message_bytes += sum(sizes)
         before = state.total_numel_after_compression
         future = self._hook(state, bucket)
         if self._one_bucket_at_a_time:
             future.wait()
         # the hook's own statistic: the elements it all-reduced for this bucket, once compressing
-        moved, counted = state.total_numel_after_compression - before, sum(powersgd_elements(shapes, rank, rate))
+        moved = state.total_numel_after_compression - before
+        counted = sum(powersgd_elements(shapes, rank, rate))
         if not dense and moved != counted:
             raise RuntimeError(
                 f"torch's PowerSGD hook all-reduced {moved} elements for bucket {bucket.index()}; "
@@ -226,15 +230,24 @@ class PowerSGDPeerOptimizer(PeerOptimizer):
         per-bucket rounding of a ring's 2 (N-1)/N can differ by a byte per extra bucket)."""
         state, world = self.hook_state, self.backend.world_size
         dense_steps = min(steps, state.start_powerSGD_iter)
-        per_step = [powersgd_sent_bytes(self.shapes, 4, world, dense, state.matrix_approximation_rank,
-                                        state.min_compression_rate) for dense in (True, False)]
+        per_step = [ring_sent_bytes(powersgd_all_reduces(self.shapes, 4, dense, state.matrix_approximation_rank,
+                                                         state.min_compression_rate), world)
+                    for dense in (True, False)]
         return dense_steps * per_step[0] + (steps - dense_steps) * per_step[1]
+
+    @property
+    def payload_nbytes(self) -> int:
+        """What a rank put into its all-reduces per step, on average over the steps so far (the
+        dense fp32 gradient before the first): PowerSGD's size changes at ``start_powerSGD_iter``."""
+        if self._steps == 0:
+            return 4 * sum(s.numel() for s in self.shapes)
+        return round(self._message_bytes / self._steps)
 
     def step(self) -> None:
         t0 = time.perf_counter()
         self.optimizer.step()
         self.backend.stats.record(self._step_bytes, self._step_bytes)
-        self._step_bytes = 0
+        self._step_bytes, self._steps = 0, self._steps + 1
         self.last_step_timing = {"codec_s": time.perf_counter() - t0, "comm_s": 0.0}
 
 

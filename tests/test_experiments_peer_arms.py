@@ -71,6 +71,9 @@ def test_powersgd_trains_and_its_bytes_are_dense_then_p_q_and_uncompressed(corpu
     want = 3 * dense + (STEPS - 3) * 4 * (plain + p_total + q_total)
     assert result["workers"][0]["sent"] == result["workers"][0]["received"] == want
     assert want < STEPS * dense
+    assert result["payload_nbytes"] == round(want / STEPS)  # with 2 ranks a ring sends what it reduces
+    dense_bf16 = 2 * sum(p.numel() for p in params)
+    assert arm["per_seed"]["0"]["compression_vs_dense_bf16"] == pytest.approx(dense_bf16 / round(want / STEPS))
     _check_trained(arm, [w["sent"] for w in result["workers"]])
 
 
