@@ -52,14 +52,19 @@ def peer_option_type(kind: str, name: str):
     return _OPTIONS[kind].get(name)
 
 
-def needs_torch_distributed(arms) -> str | None:
-    """The one line refusing an in-process run of peer arms (they call torch.distributed themselves),
-    with the command that launches them; None when no arm is a peer arm."""
+def peer_start_error(arms, resume: bool, distributed: bool) -> str | None:
+    """The one line refusing a start of peer arms that cannot work, else None: in-process (they call
+    torch.distributed themselves), with the command that launches them; or with --resume (their
+    communication state, DeMo's residual and PowerSGD's error feedback and step count, is not saved)."""
     peers = [a.label for a in arms if a.kind in PEER_KINDS]
     if not peers:
         return None
-    return (f"arm {peers[0]!r} needs torch.distributed (its own code runs the collectives); launch it "
-            f"with {LAUNCH.format(arms=','.join(a.label for a in arms))}")
+    if resume:
+        return f"arm {peers[0]!r} cannot --resume: its communication state is not checkpointed; run it again"
+    if not distributed:
+        return (f"arm {peers[0]!r} needs torch.distributed (its own code runs the collectives); launch it "
+                f"with {LAUNCH.format(arms=','.join(a.label for a in arms))}")
+    return None
 
 
 def check_peer_options(kind: str, options: dict) -> None:
@@ -133,8 +138,8 @@ class DeMoPeerOptimizer(PeerOptimizer):
         sent, received = self.optimizer.data_transmit, self.optimizer.data_receive
         if sent != self.payload_nbytes or received != world * self.payload_nbytes:
             raise RuntimeError(
-                f"pytorch_optimizer.DeMo moved {sent} bytes in, {received} out; the ledger expected "
-                f"{self.payload_nbytes} and {world} x that"
+                f"pytorch_optimizer.DeMo counted {sent} bytes sent and {received} received; the ledger "
+                f"expected {self.payload_nbytes} and {world} x that"
             )
         nbytes = CommStats.all_gather_bytes(self.payload_nbytes, world)
         self.backend.stats.record(nbytes, nbytes)

@@ -30,7 +30,7 @@ from .cli import add_preset_flags, apply_overrides
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
-from .peer_arms import PEER_KINDS, needs_torch_distributed
+from .peer_arms import peer_start_error
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
 from .train import COUNTERS, Job, LossTable, StopSignal, check_resumable, run_worker
 
@@ -247,11 +247,7 @@ def main(argv=None) -> int:
         preset.validate()
         for arm in arms:
             check_arm(arm, preset)
-        if args.resume and any(a.kind in PEER_KINDS for a in arms):
-            raise ValueError("peer arms (demo-peer, powersgd) cannot --resume: their communication "
-                             "state (DeMo's residual, PowerSGD's error feedback and step count) is not "
-                             "checkpointed; run them again")
-        if "WORLD_SIZE" not in os.environ and (refusal := needs_torch_distributed(arms)):
+        if refusal := peer_start_error(arms, args.resume, distributed="WORLD_SIZE" in os.environ):
             raise ValueError(refusal)
     except ValueError as exc:
         return fail(str(exc))

@@ -124,6 +124,13 @@ def test_an_in_process_run_of_a_peer_arm_is_one_line_naming_torchrun(corpus, tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_a_peer_arm_does_not_resume(corpus, tmp_path, capsys):
+    args = [str(a) for a in run_args(corpus, tmp_path / "run", arms="adamw,demo-peer")]
+    assert run.main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: arm 'demo-peer' cannot --resume: its communication state is not checkpointed; run it again\n"
+
+
 @pytest.mark.parametrize("arms, message", [
     ("powersgd:rank=x", "Invalid value 'x' for option 'matrix_approximation_rank'"),
     ("powersgd:rank=0", "Invalid matrix_approximation_rank value: 0"),
