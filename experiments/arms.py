@@ -1,7 +1,8 @@
 """Arms of an experiment: which optimizer a run trains with, parsed from ``--arms``.
 
 Syntax: arms are comma-separated; an arm is ``kind`` or ``kind:key=value,key=value``
-(``adamw``, ``distro``, ``demo``, ``distro:topk=8,bits=2``). A comma followed by ``key=value`` continues
+(``adamw``, ``distro``, ``demo``, ``diloco``, ``distro:topk=8,bits=2``; the peer arms
+``demo-peer`` and ``powersgd``, whose options ``peer_arms`` lists). A comma followed by ``key=value`` continues
 the previous arm's options. Keys are the optimizer's keyword arguments, or the short names in
 ``ALIASES``. Unknown kinds and options are errors, so a typo never silently runs the default. A value
 is read as the type of the optimizer's parameter (a boolean as true/false, yes/no, on/off or 1/0, as
@@ -28,6 +29,7 @@ from distro_opt import DeMo, DisTrOAdamW
 from distro_opt.comm import SingleWorkerBackend
 
 from .cli import BOOL_WORDS
+from .peer_arms import PEER_ALIASES, PEER_KINDS, check_peer_options, peer_allowed_options, peer_option_type
 
 ALIASES = {
     "topk": "compression_topk",
@@ -35,8 +37,10 @@ ALIASES = {
     "chunk": "compression_chunk",
     "decay": "compression_decay",
     "wd": "weight_decay",
+    "H": "sync_every",
+    **PEER_ALIASES,
 }
-KINDS = ("adamw", "distro", "demo")
+KINDS = ("adamw", "distro", "demo", "diloco", *PEER_KINDS)
 PARTS = ("embed", "norm", "matrix")
 # Not options: what the runner passes itself, a factory (no string names one), and modes its
 # training loop does not run (CUDA-graph capture, a differentiable step)
@@ -58,17 +62,32 @@ class Arm:
         return re.sub(r"[^A-Za-z0-9.+-]+", "_", self.label).strip("_")
 
 
+# DiLoCo (Douillard et al. 2023, arXiv 2311.08455): inner AdamW, every H steps the pseudo-gradient,
+# an outer Nesterov SGD step (lr 0.7, momentum 0.9). DisTrOAdamW's local-step mode with nothing
+# compressed: every DCT coefficient sent (an orthonormal transform, so the pseudo-gradient itself),
+# as bf16, no error feedback (decay 0). H = 30 suits the runner's short runs (the paper: 500).
+DILOCO_SETTINGS = {"sync_every": 30, "outer_lr": 0.7, "outer_momentum": 0.9, "compression_decay": 0.0,
+                   "compression_bits": 16}
+_DILOCO_FIXED = {"compression_topk", "compression_bits", "compression_decay", "update", "overlap"}
+
+
 def _optimizer_class(kind: str):
-    return {"adamw": torch.optim.AdamW, "distro": DisTrOAdamW, "demo": DeMo}[kind]
+    return {"adamw": torch.optim.AdamW, "distro": DisTrOAdamW, "demo": DeMo, "diloco": DisTrOAdamW}[kind]
 
 
 def _allowed_options(kind: str) -> set[str]:
-    return set(inspect.signature(_optimizer_class(kind).__init__).parameters) - _NOT_OPTIONS
+    if kind in PEER_KINDS:
+        return peer_allowed_options(kind)
+    allowed = set(inspect.signature(_optimizer_class(kind).__init__).parameters) - _NOT_OPTIONS
+    return allowed - _DILOCO_FIXED if kind == "diloco" else allowed
 
 
 def _group_keys(kind: str) -> set[str]:
     """Hyperparameters that live in param groups (what a per-kind setting may change). A local
-    backend: asking must not touch an initialized torch.distributed default group."""
+    backend: asking must not touch an initialized torch.distributed default group. Peer arms have
+    one group, their own."""
+    if kind in PEER_KINDS:
+        return set()
     comm = {} if kind == "adamw" else {"comm": SingleWorkerBackend()}
     return set(_optimizer_class(kind)([torch.nn.Parameter(torch.zeros(1))], **comm).defaults)
 
@@ -83,6 +102,8 @@ def param_part(name: str, p: torch.Tensor) -> str:
 def _option_type(kind: str, name: str):
     """The type an option's value must have (bool, int, float or str), from the optimizer's annotation;
     None when it names no single one of these (betas, inner_optimizer): such values are guessed."""
+    if kind in PEER_KINDS:
+        return peer_option_type(kind, name)
     hint = typing.get_type_hints(_optimizer_class(kind).__init__).get(name)
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     choices = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
@@ -196,6 +217,8 @@ def optimizer_kwargs(arm: Arm, preset) -> dict:
         "weight_decay": preset.weight_decay,
     }
     kwargs = {k: v for k, v in base.items() if k in allowed}
+    if arm.kind == "diloco":
+        kwargs.update(DILOCO_SETTINGS)
     kwargs.update({k: v for k, v in arm.options.items() if "." not in k})
     return kwargs
 
@@ -222,16 +245,25 @@ def param_groups(arm: Arm, named_params) -> list[dict]:
 def build_optimizer(arm: Arm, named_params, preset, backend):
     """The arm's optimizer over ``named_params`` ((name, parameter) pairs). AdamW's gradient
     all-reduce is the runner's job."""
+    if arm.kind in PEER_KINDS:
+        raise ValueError(f"arm {arm.label!r} is built by the training loop on the model itself, under "
+                         "torch.distributed (experiments.peer_arms)")
     kwargs = optimizer_kwargs(arm, preset)
     groups = param_groups(arm, named_params)
     if arm.kind == "adamw":
         return torch.optim.AdamW(groups, **kwargs)
+    if arm.kind == "diloco":  # every coefficient of a chunk: the whole pseudo-gradient
+        chunk = inspect.signature(DisTrOAdamW.__init__).parameters["compression_chunk"].default
+        kwargs["compression_topk"] = kwargs.get("compression_chunk", chunk) ** 2
     return _optimizer_class(arm.kind)(groups, comm=backend, **kwargs)
 
 
 def check_arm(arm: Arm, preset) -> None:
-    """Build the arm's optimizer on a dummy parameter, so bad option values fail before any training."""
+    """Build the arm's optimizer on a dummy parameter, so bad option values fail before any training.
+    A peer arm's optimizer needs torch.distributed: its options get the checks its constructor makes."""
     try:
+        if arm.kind in PEER_KINDS:
+            return check_peer_options(arm.kind, optimizer_kwargs(arm, preset))
         dummies = [("embed.weight", torch.zeros(4, 2)), ("norm.weight", torch.zeros(2)), ("w", torch.zeros(2, 2))]
         build_optimizer(arm, [(n, torch.nn.Parameter(t)) for n, t in dummies], preset, SingleWorkerBackend())
     except (TypeError, ValueError) as exc:

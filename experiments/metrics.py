@@ -153,7 +153,8 @@ def job_summary(rows: list[dict], result: dict) -> dict:
     n, world = result["n_params"], result["world_size"]
     sent, received = rows[-1]["cum_sent_bytes"], rows[-1]["cum_received_bytes"]
     per_collective = expected_bytes_per_collective(result["kind"], result["payload_nbytes"], world)
-    expected_total = per_collective * rows[-1]["collectives"]
+    # an arm whose collectives differ in size (powersgd) states its own total, from the model's shapes
+    expected_total = result.get("expected_sent_bytes", per_collective * rows[-1]["collectives"])
     message_per_step = result["payload_nbytes"] * rows[-1]["collectives"] / steps
     check_bytes = CommStats.all_gather_bytes(CHECKSUM_NBYTES, world)
     val = [r for r in rows if r["val_loss"] is not None]

@@ -25,7 +25,7 @@ LATENCY_S = 0.05
 def comm_seconds(
     kind: str, sent_bytes_per_step: float, world_size: int, link_bps: float, latency_s: float = LATENCY_S
 ) -> float:
-    rounds = 2 * (world_size - 1) if kind == "adamw" else 1
+    rounds = 2 * (world_size - 1) if kind in ("adamw", "powersgd") else 1  # ring all-reduces
     return rounds * latency_s + 8.0 * sent_bytes_per_step / link_bps
 
 

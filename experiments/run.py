@@ -30,6 +30,7 @@ from .cli import add_preset_flags, apply_overrides
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
+from .peer_arms import peer_start_error
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
 from .sweep import expand, parse_sweep
 from .train import COUNTERS, Job, LossTable, StopSignal, check_resumable, run_worker
@@ -60,9 +61,16 @@ def build_parser() -> Parser:
     p.epilog = (
         "Arms: adamw (torch AdamW, gradients all-reduced through the same backend), distro "
         "(DisTrOAdamW), demo (DeMo); options as kind:key=value,... e.g. distro:topk=8,bits=2 "
-        "(topk, bits, chunk, decay, wd, or any keyword of the optimizer). --sweep \"lr=0.5x,1x,2x,4x\" "
-        "runs every arm at each lr (a multiple of its own, or a number) and reports the best point of "
-        "each against AdamW's best; \";outer_lr=0.7,1\" adds the outer lr for arms with local steps."
+        "(topk, bits, chunk, decay, wd, or any keyword of the optimizer). diloco: DiLoCo "
+        "(arXiv 2311.08455) as DisTrOAdamW's local-step mode, inner AdamW, every H steps (diloco:H=30) "
+        "the whole pseudo-gradient (every DCT coefficient, bf16, with its indices: the bytes it sends), "
+        "outer Nesterov SGD lr 0.7, momentum 0.9. Under torch.distributed only (torchrun): demo-peer "
+        "(pytorch_optimizer.DeMo; bytes: its int64-index + value all-gathers, checked against its own "
+        "counters) and powersgd (torch AdamW, DDP with torch's PowerSGD hook, powersgd:rank=4,start_iter=30; "
+        "bytes: ring all-reduces of its P, Q and uncompressed tensors, dense before start_iter). "
+        "--sweep \"lr=0.5x,1x,2x,4x\" runs every arm at each lr (a multiple of its own, or a number) and "
+        "reports the best point of each against AdamW's best; \";outer_lr=0.7,1\" adds the outer lr for "
+        "arms with local steps."
     )
     return p
 
@@ -215,6 +223,7 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
         "world_size": len(workers),
         "payload_nbytes": first["payload_nbytes"],
         "n_params": first["n_params"],
+        **({"expected_sent_bytes": first["expected_sent_bytes"]} if "expected_sent_bytes" in first else {}),
         "workers": [
             {k: w[k] for k in ("rank", *COUNTERS, "wall_s")} for w in workers
         ],
@@ -243,6 +252,8 @@ def main(argv=None) -> int:
         preset.validate()
         for arm in arms:
             check_arm(arm, preset)
+        if refusal := peer_start_error(arms, args.resume, distributed="WORLD_SIZE" in os.environ):
+            raise ValueError(refusal)
     except ValueError as exc:
         return fail(str(exc))
     threads = torch.get_num_threads()

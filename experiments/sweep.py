@@ -22,7 +22,7 @@ import itertools
 import re
 import statistics
 
-from .arms import Arm, _optimizer_class, check_distinct_files
+from .arms import DILOCO_SETTINGS, Arm, _optimizer_class, check_distinct_files
 
 SWEEP_KEYS = ("lr", "outer_lr")
 _POINT = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?x?$", re.IGNORECASE)
@@ -63,12 +63,15 @@ def parse_sweep(text: str) -> dict[str, list[GridValue]]:
     return grid
 
 
-def has_outer_step(arm: Arm) -> bool:
-    return int(arm.options.get("sync_every", 1)) > 1
-
-
-def _default(arm: Arm, name: str) -> float:
+def _default(arm: Arm, name: str):
+    """The value an arm runs with when it does not set ``name``: diloco's recipe, else the optimizer's."""
+    if arm.kind == "diloco" and name in DILOCO_SETTINGS:
+        return DILOCO_SETTINGS[name]
     return inspect.signature(_optimizer_class(arm.kind).__init__).parameters[name].default
+
+
+def has_outer_step(arm: Arm) -> bool:
+    return arm.kind in ("distro", "diloco") and int(arm.options.get("sync_every", _default(arm, "sync_every"))) > 1
 
 
 def _point_options(arm: Arm, point: dict[str, GridValue], preset_lr: float) -> dict:

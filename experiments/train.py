@@ -19,10 +19,11 @@ import torch
 
 from distro_opt.comm import CommStats, SingleWorkerBackend
 
-from .arms import Arm, build_optimizer
+from .arms import Arm, build_optimizer, optimizer_kwargs
 from .checkpoint import CheckpointStore
 from .data import val_batches, worker_batch
 from .model import build_model
+from .peer_arms import PEER_KINDS, build_peer_optimizer
 
 
 def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -197,7 +198,11 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
     model = build_model(p.model_config(job.vocab_size), seed=job.seed)
     model.load_state_dict(job.init_state)  # identical replicas, whatever the thread interleaving
     model.to(device).train()
-    opt = build_optimizer(job.arm, model.named_parameters(), p, backend)
+    if job.arm.kind in PEER_KINDS:  # their own code; the loss goes through their module (DDP)
+        opt = build_peer_optimizer(job.arm.kind, model, optimizer_kwargs(job.arm, p), backend)
+        forward = opt.forward_module
+    else:
+        opt, forward = build_optimizer(job.arm, model.named_parameters(), p, backend), model
     base_lrs = [g["lr"] for g in opt.param_groups]
     store = CheckpointStore(job.out, job.arm.slug, job.seed, world)
     state = {"step": 0, **dict.fromkeys(COUNTERS, 0), "wall_s": 0.0}
@@ -242,7 +247,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
             sharding=p.sharding,
         )
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(x.to(device), y.to(device))
+            loss = forward(x.to(device), y.to(device))
         loss.backward()
         losses.put(step, rank, float(loss.detach()))  # before the collective: see LossTable
         compute_s = time.perf_counter() - t_start
@@ -288,7 +293,9 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
     payload = getattr(opt, "payload_nbytes", None)
     if payload is None:  # AdamW: the flat fp32 gradient is what each worker puts into the all-reduce
         payload = 4 * sum(q.numel() for q in model.parameters() if q.requires_grad)
+    expected = getattr(opt, "expected_sent_bytes", None)
     return {
+        **({"expected_sent_bytes": expected(state["step"])} if expected is not None else {}),
         "rank": rank,
         "status": status,
         "step": state["step"],

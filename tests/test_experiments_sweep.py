@@ -129,3 +129,12 @@ def test_tuned_points_pair_only_with_a_tuned_adamw_of_another_run(corpus, tmp_pa
     best_adamw = json.loads((tmp_path / "tuned-adamw" / "summary.json").read_text())["tuned"]["arms"]["adamw"]
     expected = 100 * (distro["val_loss"] / best_adamw["final_val_loss_per_seed"]["0"] - 1)
     assert distro["gap_pct"] == pytest.approx(expected)
+
+
+def test_diloco_sweeps_its_outer_lr_from_its_own_recipe_and_peer_arms_their_lr():
+    out = expand(parse_arms("diloco:H=8,powersgd:rank=2"), parse_sweep("lr=2x;outer_lr=1x,0.5"), preset_lr=0.001)
+    by_label = {a.label: a for a in out}
+    assert by_label["diloco:H=8@lr=2x,outer_lr=1x"].options["outer_lr"] == pytest.approx(0.7)
+    assert by_label["diloco:H=8@lr=2x,outer_lr=0.5"].options["outer_lr"] == 0.5
+    assert by_label["powersgd:rank=2@lr=2x"].options["lr"] == pytest.approx(0.002)
+    assert len(out) == 3
