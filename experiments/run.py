@@ -209,7 +209,7 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
         "kind": job.arm.kind,
         "seed": job.seed,
         "status": first["status"],
-        "world_size": len(workers),
+        "world_size": first["world_size"],  # the workers (replicas) exchanging payloads
         "payload_nbytes": first["payload_nbytes"],
         "n_params": first["n_params"],
         "workers": [
@@ -249,6 +249,9 @@ def main(argv=None) -> int:
             from .distributed import main_distributed
 
             return main_distributed(args, preset, arms)
+        if preset.shard_degree > 1:
+            return fail(f"shard_degree {preset.shard_degree} needs torchrun (ranks to shard the model "
+                        "over); in-process workers hold whole replicas: pass --shard-degree 1")
         return run_in_process(args, preset, arms)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its setting
