@@ -201,16 +201,18 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None, hybrid=None) -> dict:
     model = TinyMLP(cfg)
     init_params(model, cfg.seed)
     model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    if hybrid is not None:  # before the optimizer, which must hold the sharded parameters
+        if on_start is not None:  # on the whole model: no checkpoint is loaded (see TrainConfig)
+            on_start(model)
+        shard_model(model, [m for m in model.layers if isinstance(m, nn.Linear)], hybrid)
     opt = DisTrOAdamW(
         model.parameters(), lr=cfg.lr, compression_topk=cfg.compression_topk,
         compression_chunk=cfg.compression_chunk, compression_bits=cfg.compression_bits,
         comm=comm, overlap=cfg.overlap,
     )
     start = load_checkpoint(cfg.resume_dir, rank, comm.world_size, model, opt) if cfg.resume_dir else 0
-    if on_start is not None:
+    if on_start is not None and hybrid is None:
         on_start(model)
-    if hybrid is not None:
-        shard_model(model, [m for m in model.layers if isinstance(m, nn.Linear)], hybrid)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.grad_scaler)
     inf_rank, inf_step = map(int, cfg.inject_inf.split(":")) if cfg.inject_inf else (-1, -1)
     eval_start = evaluate(model, cfg, device)
