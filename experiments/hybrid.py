@@ -39,17 +39,13 @@ class HybridMesh:
         return self.mesh["replicate"].get_group()
 
     @property
-    def replica_index(self) -> int:
-        return self.mesh.get_local_rank("replicate")
+    def rank(self) -> int:
+        """This process's rank in the whole mesh (the default group's)."""
+        return self.mesh.get_rank()
 
     @property
-    def shard_index(self) -> int:
-        return self.mesh.get_local_rank("shard")
-
-
-def dist_rank_world() -> tuple[int, int]:
-    """This process's rank and the world size of the default process group."""
-    return dist.get_rank(), dist.get_world_size()
+    def world_size(self) -> int:
+        return self.replicas * self.shard_degree
 
 
 def hybrid_mesh(device_type: str, shard_degree: int) -> HybridMesh:

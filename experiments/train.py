@@ -23,7 +23,7 @@ from distro_opt.shards import local
 from .arms import Arm, build_optimizer
 from .checkpoint import CheckpointStore
 from .data import val_batches, worker_batch
-from .hybrid import dist_rank_world, shard_model
+from .hybrid import shard_model
 from .model import build_model
 
 
@@ -201,7 +201,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
     is a replica; every rank still writes its own checkpoint file. Returns this rank's totals.
     """
     p, rank, world = job.preset, backend.rank, backend.world_size
-    file_rank, file_world = (dist_rank_world() if hybrid is not None else (rank, world))
+    file_rank, file_world = (hybrid.rank, hybrid.world_size) if hybrid is not None else (rank, world)
     device = torch.device(p.device)
     autocast = p.autocast == "bf16"
     model = build_model(p.model_config(job.vocab_size), seed=job.seed)
