@@ -8,6 +8,8 @@ writes the metrics and the summary. The backend comes from
 ``distro_opt.comm.resolve_backend()`` once the default process group exists, so bytes are counted by
 the same ``CommStats`` as in-process runs. The train loss is averaged with a plain
 ``torch.distributed.all_reduce`` outside the backend: it is bookkeeping, not training traffic.
+With ``--shard-degree S`` (``experiments/hybrid.py``) each S consecutive ranks shard one replica with
+FSDP2 and are one worker; the backend is the mesh's replicate group, and only its bytes are counted.
 Interrupting a torchrun job kills its ranks; ``--resume`` continues from the last periodic checkpoint.
 A peer that dies or hangs makes each rank print one line and exit with 1 (the group is broken);
 Ctrl-C, one line and 130; a start refused on any rank, the same ``error:`` line on every rank and 2.
@@ -25,10 +27,11 @@ import torch.distributed as dist
 
 from distro_opt.cli_args import UsageError, fail, os_error_message
 from distro_opt.comm import resolve_backend
-from distro_opt.comm.torch_backend import CollectiveError
+from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
 
 from .checkpoint import CheckpointStore
 from .data import CorpusError, check_corpus_fits, load_corpus
+from .hybrid import check_shard_degree, hybrid_mesh
 from .metrics import MetricsSink, truncate_metrics
 from .process_group import (
     EXIT_INTERRUPTED, EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, start_process_group,
@@ -48,7 +51,9 @@ def collective(what: str, op, *args, **kwargs):
 
 
 class DistLossMean:
-    """Train loss averaged over ranks with one small all_reduce (not counted as training bytes)."""
+    """Train loss averaged over ranks with one small all_reduce (not counted as training bytes). The
+    mean is over every rank: in a hybrid run the ranks of one replica hold the same loss, so it is
+    the mean over the workers too."""
 
     def __init__(self, device):
         self.device = device
@@ -60,7 +65,7 @@ class DistLossMean:
     def mean(self, step, world_size):
         t = torch.tensor([self._value], dtype=torch.float64, device=self.device)
         collective("the train loss all_reduce", dist.all_reduce, t)
-        return float(t) / world_size
+        return float(t) / dist.get_world_size()
 
 
 def main_distributed(args, preset, arms) -> int:
@@ -140,15 +145,22 @@ def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, 
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"
-    preset = type(preset)(**{**preset.__dict__, "workers": world, "device": device})
+    workers = world // preset.shard_degree  # each replica is one worker (checked in load)
+    preset = type(preset)(**{**preset.__dict__, "workers": workers, "device": device})
 
     def load():
+        check_shard_degree(world, preset.shard_degree)
+        if args.resume and preset.shard_degree > 1:
+            raise UsageError(
+                f"--resume with shard_degree {preset.shard_degree} is not supported: the checkpoints "
+                "of a sharded model are not checked and restored yet; start the run over"
+            )
         started["corpus"] = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
-        check_corpus_fits(started["corpus"], seq_len=preset.seq_len, workers=world, sharding=preset.sharding)
+        check_corpus_fits(started["corpus"], seq_len=preset.seq_len, workers=workers, sharding=preset.sharding)
 
     def prepare():  # rank 0, once every rank has its corpus: --out is touched only by a start that goes on
         corpus = started["corpus"]
-        config = run_config(preset, arms, world, corpus.vocab_size)
+        config = run_config(preset, arms, workers, corpus.vocab_size)
         started["lock"] = prepare_out_dir(args.out, config, args.resume)
         if args.resume:  # a bad checkpoint: one line naming the file, before any arm trains
             check_checkpoints(args.out, preset, arms, corpus)
@@ -159,7 +171,9 @@ def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, 
     if error is not None:
         return fail(error), True
     started["training"] = True
-    backend, corpus = resolve_backend(), started["corpus"]
+    hybrid = hybrid_mesh(torch.device(device).type, preset.shard_degree) if preset.shard_degree > 1 else None
+    backend = resolve_backend() if hybrid is None else TorchDistributedBackend(group=hybrid.replicate_group)
+    corpus = started["corpus"]
     for seed in preset.seed_list():
         for arm in arms:
             if finished(args.out, arm, seed):
@@ -179,7 +193,7 @@ def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, 
                     progress=not args.no_progress,
                 )
             collective("the barrier before a job", dist.barrier)
-            result = run_worker(backend, job, DistLossMean(device), None, started.get("sink"))
+            result = run_worker(backend, job, DistLossMean(device), None, started.get("sink"), hybrid)
             gathered = [None] * world if rank == 0 else None
             collective("the gather of the results", dist.gather_object, result, gathered, dst=0)
             if rank == 0:

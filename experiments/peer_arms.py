@@ -52,13 +52,15 @@ def peer_option_type(kind: str, name: str):
     return _OPTIONS[kind].get(name)
 
 
-def peer_start_error(arms, resume: bool, distributed: bool) -> str | None:
+def peer_start_error(arms, resume: bool, distributed: bool, shard_degree: int = 1) -> str | None:
     """The one line refusing a start of peer arms that cannot work, else None: in-process (they call
     torch.distributed themselves), with the command that launches them; or with --resume (their
     communication state, DeMo's residual and PowerSGD's error feedback and step count, is not saved)."""
     peers = [a.label for a in arms if a.kind in PEER_KINDS]
     if not peers:
         return None
+    if shard_degree > 1:  # DDP and DeMo over the whole world: they know nothing of the mesh
+        return f"arm {peers[0]!r} does not run sharded: pass --shard-degree 1 for it"
     if resume:
         return f"arm {peers[0]!r} cannot --resume: its communication state is not checkpointed; run it again"
     if not distributed:

@@ -5,7 +5,8 @@
 * ``parity``: the same model for 3000 steps and two paired seeds: the loss-parity measurement.
 * ``llama-1.2b``: the DisTrO report's model and hyperparameters (16 layers, hidden 2048, FFN 8192,
   8 heads, vocab 32000, context 2048; AdamW betas (0.9, 0.95), peak lr 4e-4 cosine to 4e-5, 400
-  warm-up steps, weight decay 0.1), bf16 autocast and activation checkpointing, for torchrun on GPUs.
+  warm-up steps, weight decay 0.1), bf16 autocast and activation checkpointing, for torchrun on GPUs,
+  each node of 8 sharding one replica (shard_degree 8).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Preset:
     # intra-op threads per process: 1 suits several in-process workers on a CPU; 0 = torch's default
     torch_threads: int = 1
     timeout_s: float = 300.0  # bound on every collective wait
+    # torchrun only: ranks per replica, the model sharded over them with FSDP2 (experiments/hybrid.py)
+    shard_degree: int = 1
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         return ModelConfig(
@@ -107,6 +110,7 @@ class Preset:
             "eval_batches",
             "eval_batch_size",
             "checkpoint_every",
+            "shard_degree",
         )
         for name in positive:
             if not getattr(self, name) >= 1:
@@ -194,6 +198,7 @@ LLAMA_1_2B = Preset(
     autocast="bf16",
     torch_threads=0,
     timeout_s=1800.0,
+    shard_degree=8,  # one node of 8 GPUs holds one replica; distro-opt runs between the nodes
 )
 
 PRESETS = {p.name: p for p in (SMOKE, PARITY, LLAMA_1_2B)}

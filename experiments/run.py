@@ -220,7 +220,7 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
         "kind": job.arm.kind,
         "seed": job.seed,
         "status": first["status"],
-        "world_size": len(workers),
+        "world_size": first["world_size"],  # the workers (replicas) exchanging payloads
         "payload_nbytes": first["payload_nbytes"],
         "n_params": first["n_params"],
         **({"expected_sent_bytes": first["expected_sent_bytes"]} if "expected_sent_bytes" in first else {}),
@@ -252,7 +252,9 @@ def main(argv=None) -> int:
         preset.validate()
         for arm in arms:
             check_arm(arm, preset)
-        if refusal := peer_start_error(arms, args.resume, distributed="WORLD_SIZE" in os.environ):
+        if refusal := peer_start_error(
+            arms, args.resume, distributed="WORLD_SIZE" in os.environ, shard_degree=preset.shard_degree
+        ):
             raise ValueError(refusal)
     except ValueError as exc:
         return fail(str(exc))
@@ -264,6 +266,9 @@ def main(argv=None) -> int:
             from .distributed import main_distributed
 
             return main_distributed(args, preset, arms)
+        if preset.shard_degree > 1:
+            return fail(f"shard_degree {preset.shard_degree} needs torchrun (ranks to shard the model "
+                        "over); in-process workers hold whole replicas: pass --shard-degree 1")
         return run_in_process(args, preset, arms)
     finally:
         torch.set_num_threads(threads)  # a caller in the same process (a test) keeps its setting

@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 from distro_opt.comm import CommStats, SingleWorkerBackend
+from distro_opt.shards import local
 
 from .arms import Arm, build_optimizer, optimizer_kwargs
 from .checkpoint import CheckpointStore
 from .data import val_batches, worker_batch
+from .hybrid import shard_model
 from .model import build_model
 from .peer_arms import PEER_KINDS, build_peer_optimizer
 
@@ -129,16 +131,20 @@ def check_resumable(job: Job, world_size: int) -> None:
 def _all_reduce_gradients(model, backend) -> float:
     """DDP's gradient averaging, as one flat fp32 buffer through the same backend (bytes counted there)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    flat = torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-    )
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    # A sharded (DTensor) gradient is already reduced over its shard group by FSDP2: its local shard
+    # is what the replicas average.
+    grads = [local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
     t0 = time.perf_counter()
     backend.all_reduce(flat, op="mean")
     comm_s = time.perf_counter() - t0
     offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
     return comm_s
 
@@ -186,28 +192,34 @@ def _mean_loss(model, batches, device, autocast) -> float:
     return total / len(batches)
 
 
-def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict:
-    """Train ``job.arm`` on worker ``backend.rank``; rank 0 also evaluates, logs and reports progress.
+def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=None) -> dict:
+    """Train ``job.arm`` on worker ``backend.rank``; worker 0 also evaluates, and the rank given a
+    ``sink`` logs and reports progress.
 
     ``losses`` averages the train loss over workers (``LossTable`` or a torch.distributed reducer);
-    ``sink`` (rank 0 only) receives one metrics row per step. Returns this worker's totals.
+    ``sink`` (one rank only) receives one metrics row per step. ``hybrid`` (``hybrid.HybridMesh``):
+    the model is sharded over its shard dimension and ``backend`` is its replicate group, so a worker
+    is a replica; every rank still writes its own checkpoint file. Returns this rank's totals.
     """
     p, rank, world = job.preset, backend.rank, backend.world_size
+    file_rank, file_world = (hybrid.rank, hybrid.world_size) if hybrid is not None else (rank, world)
     device = torch.device(p.device)
     autocast = p.autocast == "bf16"
     model = build_model(p.model_config(job.vocab_size), seed=job.seed)
     model.load_state_dict(job.init_state)  # identical replicas, whatever the thread interleaving
     model.to(device).train()
+    if hybrid is not None:
+        shard_model(model, model.blocks, hybrid)
     if job.arm.kind in PEER_KINDS:  # their own code; the loss goes through their module (DDP)
         opt = build_peer_optimizer(job.arm.kind, model, optimizer_kwargs(job.arm, p), backend)
         forward = opt.forward_module
     else:
         opt, forward = build_optimizer(job.arm, model.named_parameters(), p, backend), model
     base_lrs = [g["lr"] for g in opt.param_groups]
-    store = CheckpointStore(job.out, job.arm.slug, job.seed, world)
+    store = CheckpointStore(job.out, job.arm.slug, job.seed, file_world)
     state = {"step": 0, **dict.fromkeys(COUNTERS, 0), "wall_s": 0.0}
     if job.resume and (step := store.latest_step()) > 0:
-        state = {**state, **store.restore(step, rank, model, opt)}
+        state = {**state, **store.restore(step, file_rank, model, opt)}
     val = (
         val_batches(job.corpus.val, n_batches=p.eval_batches, batch_size=p.eval_batch_size, seq_len=p.seq_len)
         if rank == 0
@@ -215,10 +227,12 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
     )
     tokens_per_step = world * p.batch_size * p.seq_len
     if rank == 0 and state["step"] == 0:
+        val_loss = evaluate(model, val, device, autocast, opt)  # every shard of worker 0 takes part
+    if sink is not None and state["step"] == 0:
         sink.row(
             step=0,
             train_loss=None,
-            val_loss=evaluate(model, val, device, autocast, opt),
+            val_loss=val_loss,
             lr=0.0,
             tokens=0,
             sent=0,
@@ -272,7 +286,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
             val_loss = evaluate(model, val, device, autocast, opt)
             eval_s = time.perf_counter() - t0
         state["wall_s"] += time.perf_counter() - t_start
-        if rank == 0:
+        if sink is not None:
             sink.row(
                 step=step,
                 train_loss=train_loss,
@@ -285,18 +299,20 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink) -> dict
                 times=(compute_s, codec_s, comm_s, eval_s),
             )
         if checkpoint_now:
-            store.save(rank, step, model, opt, state)
+            store.save(file_rank, step, model, opt, state)
     if status == "interrupted" and state["step"] > 0 and not getattr(opt, "overlap", False):
         # Overlap mode is left to its last periodic checkpoint: saving now would flush the pending
         # update a step early, and the resumed run would then differ from an uninterrupted one.
-        store.save(rank, state["step"], model, opt, state)
+        store.save(file_rank, state["step"], model, opt, state)
     payload = getattr(opt, "payload_nbytes", None)
     if payload is None:  # AdamW: the flat fp32 gradient is what each worker puts into the all-reduce
-        payload = 4 * sum(q.numel() for q in model.parameters() if q.requires_grad)
+        # the optimizer's parameters: FSDP2 leaves the model's root unsharded after a forward pass
+        payload = 4 * sum(local(q).numel() for g in opt.param_groups for q in g["params"] if q.requires_grad)
     expected = getattr(opt, "expected_sent_bytes", None)
     return {
         **({"expected_sent_bytes": expected(state["step"])} if expected is not None else {}),
-        "rank": rank,
+        "rank": file_rank,
+        "world_size": world,
         "status": status,
         "step": state["step"],
         **{k: state[k] for k in COUNTERS},

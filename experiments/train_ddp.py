@@ -13,6 +13,10 @@ Before the first step the ranks exchange their start-up checks (the --save-dir a
 files, the arguments, then a checksum of the starting parameters): if any rank cannot start, or
 the ranks would not train the same model, every rank stops with the same one-line error.
 
+With --shard-degree S (a hybrid run, ``experiments/hybrid.py``) each S consecutive ranks hold one
+replica, its layers sharded over them with FSDP2, and train on the same batches; DisTrOAdamW talks
+over the replicate group only, and the bytes printed are that group's.
+
 Without torchrun's environment the script runs as a world of one (its Gloo socket on 127.0.0.1).
 
 Exit codes: 0 trained (the checksum line); else one line on stderr: 2 bad arguments, or a start
@@ -40,9 +44,11 @@ from torch import nn
 from distro_opt import DisTrOAdamW
 from distro_opt.cli_args import Parser, fail
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
+from distro_opt.shards import is_sharded
 from distro_opt.experiments.ddp_checkpoint import (
     check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
 )
+from distro_opt.experiments.hybrid import check_shard_degree, hybrid_mesh, shard_model
 from distro_opt.experiments.process_group import (
     EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, single_process_group, start_process_group,
 )
@@ -69,6 +75,7 @@ HELP = {
     "save_dir": "write DIR/rank{r}.pt at the end; DIR must hold no checkpoint (none is overwritten)",
     "resume_dir": "start from the checkpoints in DIR, saved by any world size (save to another DIR)",
     "log": "rank 0 prints one line per step",
+    "shard_degree": "ranks per replica, its layers sharded over them with FSDP2 (world size % S == 0)",
 }
 DTYPES = ("float32", "bfloat16")
 
@@ -95,6 +102,7 @@ class TrainConfig:
     save_dir: str = ""
     resume_dir: str = ""
     log: bool = True
+    shard_degree: int = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -107,6 +115,11 @@ class TrainConfig:
         if self.inject_inf and not (self.inject_inf.count(":") == 1
                                     and all(x.isdigit() for x in self.inject_inf.split(":"))):
             raise ValueError(f"Invalid inject_inf: {self.inject_inf!r} (expected RANK:STEP)")
+        if not self.shard_degree >= 1:
+            raise ValueError(f"Invalid shard_degree: {self.shard_degree} (expected >= 1)")
+        if self.shard_degree > 1 and (self.save_dir or self.resume_dir):
+            raise ValueError("--save-dir and --resume-dir are not supported with --shard-degree > 1 "
+                             "(sharded checkpoints are not written here)")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"Invalid timeout_s: {self.timeout_s} (expected seconds > 0)")
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -174,9 +187,11 @@ def evaluate(model: nn.Module, cfg: TrainConfig, device) -> float:
     return F.mse_loss(out.float(), y.to(device)).item()
 
 
-def train(cfg: TrainConfig, comm, log=None, on_start=None) -> dict:
+def train(cfg: TrainConfig, comm, log=None, on_start=None, hybrid=None) -> dict:
     """Train on ``comm`` (any distro_opt Backend); return losses, timings, bytes and final parameters.
-    ``on_start(model)`` runs once the starting parameters are in place, before the first step."""
+    ``on_start(model)`` runs once the starting parameters are in place, before the first step.
+    ``hybrid`` (``hybrid.HybridMesh``): the layers are then sharded over its shard dimension, and
+    ``comm`` must be its replicate group; the returned parameters are the full (gathered) ones."""
     rank, device = comm.rank, torch.device(cfg.device)
     if cfg.save_dir and (cfg.steps > 0 or comm.world_size == 1):
         # Found now, not after the whole run. The first step's collective orders every rank's check
@@ -186,13 +201,17 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None) -> dict:
     model = TinyMLP(cfg)
     init_params(model, cfg.seed)
     model.to(device=device, dtype=getattr(torch, cfg.dtype))
+    if hybrid is not None:  # before the optimizer, which must hold the sharded parameters
+        if on_start is not None:  # on the whole model: no checkpoint is loaded (see TrainConfig)
+            on_start(model)
+        shard_model(model, [m for m in model.layers if isinstance(m, nn.Linear)], hybrid)
     opt = DisTrOAdamW(
         model.parameters(), lr=cfg.lr, compression_topk=cfg.compression_topk,
         compression_chunk=cfg.compression_chunk, compression_bits=cfg.compression_bits,
         comm=comm, overlap=cfg.overlap,
     )
     start = load_checkpoint(cfg.resume_dir, rank, comm.world_size, model, opt) if cfg.resume_dir else 0
-    if on_start is not None:
+    if on_start is not None and hybrid is None:
         on_start(model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.grad_scaler)
     inf_rank, inf_step = map(int, cfg.inject_inf.split(":")) if cfg.inject_inf else (-1, -1)
@@ -224,7 +243,8 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None) -> dict:
         "losses": losses, "step_s": step_s, "comm_s": comm_s, "eval_loss_start": eval_start,
         "eval_loss": evaluate(model, cfg, device),
         "bytes_sent": comm.stats.bytes_sent, "payload_nbytes": opt.payload_nbytes,
-        "params": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "params": {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu().clone()
+                   for k, v in model.state_dict().items()},
     }
 
 
@@ -250,6 +270,7 @@ def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
             check_save_dir(cfg.save_dir)
         if cfg.resume_dir:
             check_checkpoint_set(cfg.resume_dir)
+        check_shard_degree(world_size, cfg.shard_degree)
     except (OSError, ValueError) as exc:
         problem = f"rank {rank}: {exc}"
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RANK}
@@ -306,7 +327,11 @@ def _main(cfg: TrainConfig) -> tuple[int, bool]:
         problem = start_checks(cfg, comm.rank, comm.world_size)
         if problem is None:
             log = (lambda line: print(line, flush=True)) if cfg.log and comm.rank == 0 else None
-            result = train(cfg, comm, log=log, on_start=check_same_start)
+            hybrid, replicas = None, comm
+            if cfg.shard_degree > 1:  # the optimizer's group: one rank per replica
+                hybrid = hybrid_mesh(torch.device(cfg.device).type, cfg.shard_degree)
+                replicas = TorchDistributedBackend(group=hybrid.replicate_group, timeout_s=cfg.timeout_s)
+            result = train(cfg, replicas, log=log, on_start=check_same_start, hybrid=hybrid)
     except ValueError as exc:  # check_same_start, a payload mismatch: raised alike on every rank
         problem = str(exc)
     except (CollectiveError, dist.DistError) as exc:  # the group is broken

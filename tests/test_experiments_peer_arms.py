@@ -131,6 +131,12 @@ def test_a_peer_arm_does_not_resume(corpus, tmp_path, capsys):
     assert err == "error: arm 'demo-peer' cannot --resume: its communication state is not checkpointed; run it again\n"
 
 
+def test_a_peer_arm_does_not_run_sharded(corpus, tmp_path, capsys):
+    args = [str(a) for a in run_args(corpus, tmp_path / "run", arms="powersgd")]
+    assert run.main([*args, "--shard-degree", "2"]) == 2
+    assert capsys.readouterr().err == "error: arm 'powersgd' does not run sharded: pass --shard-degree 1 for it\n"
+
+
 @pytest.mark.parametrize("arms, message", [
     ("powersgd:rank=x", "Invalid value 'x' for option 'matrix_approximation_rank'"),
     ("powersgd:rank=0", "Invalid matrix_approximation_rank value: 0"),

@@ -219,8 +219,9 @@ def test_torn_result_file_does_not_count_as_finished_and_the_arm_is_run_again(co
 def test_result_write_cut_short_leaves_no_result_file(tmp_path, monkeypatch):
     (tmp_path / "results").mkdir()
     (arm,) = parse_arms("adamw")
-    worker = {"rank": 0, "status": "done", "payload_nbytes": 4, "n_params": 1, "sent": 0, "received": 0,
-              "collectives": 0, "check_sent": 0, "check_received": 0, "checks": 0, "wall_s": 0.0}
+    worker = {"rank": 0, "world_size": 1, "status": "done", "payload_nbytes": 4, "n_params": 1,
+              "sent": 0, "received": 0, "collectives": 0, "check_sent": 0, "check_received": 0,
+              "checks": 0, "wall_s": 0.0}
 
     def cut_short(path, text, *args, **kwargs):  # a kill or a full disk halfway through the write
         with open(path, "w") as f:

@@ -1,0 +1,208 @@
+"""Hybrid runs: the model sharded over each replica's ranks (FSDP2), distro-opt between replicas.
+
+A 2 x 2 run (4 real Gloo ranks on 127.0.0.1, --shard-degree 2) against the unsharded 2-process run
+(shard degree 1) on the same data: the same train losses, identical replicas of each shard, and
+bytes per step that are the local shards' payload. The tiny transformer's parameters have even
+first dimensions whose halves are whole chunks (chunk 16), so both runs compress the same
+coefficients; what may differ is float rounding (FSDP2's gathered weights and reduce-scattered
+gradients sum in another order), which can flip the sign of a near-zero coefficient: a tie.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from distro_opt.comm import CommStats
+from distro_opt.experiments.model import parameter_shapes
+from distro_opt.experiments import run
+from distro_opt.experiments.presets import get_preset
+from distro_opt.experiments.process_group import one_machine_env
+from distro_opt.experiments.train_ddp import TrainConfig
+from distro_opt.wire import PayloadLayout, param_spec
+
+from _models import TINY_TRANSFORMER_FLAGS
+from _procs import wait_all
+
+STEPS = 4
+TOPK, CHUNK = 4, 16
+ARMS = f"adamw,distro:chunk={CHUNK},topk={TOPK}"
+HEADER_BYTES = 8  # the frame header of TorchDistributedBackend's all-gather (test_torch_backend.py)
+# Train losses of the sharded and the unsharded run agree to this (relative): a sum reordered by the
+# sharding rounds differently in float32 (~1e-7 of a loss), and a sign tie would move one coefficient's
+# +-lr update, which changes a few-step run's loss by less than this. (Here they come out equal.)
+LOSS_RTOL = 1e-5
+
+
+def run_args(corpus, out, workers, shard_degree, arms=ARMS, steps=STEPS, extra=()):
+    folder, cache = corpus
+    return ["--preset", "smoke", "--arms", arms, "--workers", workers, "--shard-degree", shard_degree,
+            "--out", out, "--cache", cache, "--corpus", folder, "--tokenizer", "byte",
+            *TINY_TRANSFORMER_FLAGS, "--seq-len", "32", "--batch-size", "2", "--steps", steps,
+            "--warmup-steps", "1", "--eval-every", "1000", "--eval-batches", "1",
+            "--eval-batch-size", "2", "--checkpoint-every", "2", "--no-progress", "--no-plots",
+            "--timeout-s", "30", *extra]
+
+
+def launch(tmp_path, args, world_size, timeout_s=90, module="run"):
+    """``experiments.{module}`` on ``world_size`` ranks; [(exit code, stdout, stderr)] of each."""
+    rendezvous = tmp_path / f"rendezvous-{world_size}-{time.monotonic_ns()}"
+    procs = [subprocess.Popen([sys.executable, "-m", f"distro_opt.experiments.{module}", *map(str, args)],
+                              cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                 **one_machine_env(rank, world_size, rendezvous)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world_size)]
+    return wait_all(procs, timeout_s, stdout=True)
+
+
+def train_losses(out):
+    """{arm label: [train loss of steps 1..]} from a run's metrics."""
+    losses = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] > 0:
+            losses.setdefault(row["arm"], []).append(row["train_loss"])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """(the hybrid 2 x 2 run's --out, the unsharded 2-worker run's --out)."""
+    tmp = tmp_path_factory.mktemp("hybrid")
+    outs = tmp / "hybrid", tmp / "plain"
+    # the hybrid run with activation checkpointing: recomputing a sharded block's forward gives the
+    # same numbers
+    hybrid = ["--activation-checkpointing", "true"]
+    for out, world, shard, extra in ((outs[0], 4, 2, hybrid), (outs[1], 2, 1, ())):
+        for code, _, err in launch(tmp, run_args(corpus, out, 2, shard, extra=extra), world):
+            assert code == 0, err
+    return outs
+
+
+def test_hybrid_losses_equal_the_unsharded_runs(runs):
+    hybrid, plain = map(train_losses, runs)
+    assert sorted(hybrid) == sorted(plain) and len(hybrid) == 2
+    for arm in plain:
+        assert len(hybrid[arm]) == STEPS
+        assert hybrid[arm] == pytest.approx(plain[arm], rel=LOSS_RTOL), arm
+
+
+def _checkpoint(out, arm_slug, rank):
+    """The model of ``rank``'s step-2 checkpoint, as local shards."""
+    saved = torch.load(out / "checkpoints" / f"{arm_slug}-seed0" / f"step2.rank{rank}.pt",
+                       map_location="cpu", weights_only=False)
+    return {k: getattr(v, "_local_tensor", v) for k, v in saved["model"].items()}
+
+
+def test_ranks_holding_the_same_shard_hold_bitwise_identical_replicas(runs):
+    hybrid, _ = runs
+    folders = sorted(p.name.removesuffix("-seed0") for p in (hybrid / "checkpoints").iterdir())
+    assert len(folders) == 2
+    for slug in folders:
+        ranks = [_checkpoint(hybrid, slug, r) for r in range(4)]
+        for shard in (0, 1):  # ranks 0, 2 hold shard 0 (replicas 0, 1); ranks 1, 3 shard 1
+            a, b = ranks[shard], ranks[shard + 2]
+            assert all(torch.equal(a[k], b[k]) for k in a), (slug, shard)
+        assert not torch.equal(ranks[0]["embed.weight"], ranks[1]["embed.weight"])
+
+
+def _result(out, kind):
+    return next(json.loads(p.read_text()) for p in (out / "results").glob("*.json")
+                if json.loads(p.read_text())["kind"] == kind)
+
+
+def test_hybrid_bytes_per_step_are_the_local_shards_payload(runs, corpus):
+    hybrid, plain = runs
+    preset = get_preset("smoke")
+    config = json.loads((hybrid / "config.json").read_text())
+    shapes = parameter_shapes(type(preset)(**config["preset"]).model_config(config["vocab_size"]))
+    local = [(s[0] // 2, *s[1:]) for _, s in shapes]  # FSDP2 halves the first dimension
+    layout = PayloadLayout([param_spec(shape, TOPK, CHUNK, 1) for shape in local])
+    distro = _result(hybrid, "distro")
+    assert distro["payload_nbytes"] == layout.nbytes
+    assert distro["world_size"] == 2  # the replicate group: shard ranks exchange no payload
+    assert layout.nbytes < _result(plain, "distro")["payload_nbytes"]
+    rows = [json.loads(line) for line in (hybrid / "metrics.jsonl").read_text().splitlines()]
+    per_step = [r["sent_bytes"] for r in rows if r["arm"] == distro["arm"] and r["step"] > 1]
+    assert per_step == [CommStats.all_gather_bytes(HEADER_BYTES + layout.nbytes, 2)] * (STEPS - 1)
+    adamw = _result(hybrid, "adamw")  # the gradient all-reduce: the local shards' fp32 gradients
+    assert adamw["payload_nbytes"] == 4 * sum(torch.Size(s).numel() for s in local)
+
+
+def test_llama_preset_shards_each_replica_over_one_node_of_8():
+    preset = get_preset("llama-1.2b")
+    assert (preset.shard_degree, preset.activation_checkpointing, preset.autocast) == (8, True, "bf16")
+
+
+def one_line_error_on_every_rank(results, text):
+    for code, _, err in results:
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+        assert text in err, err
+
+
+def test_a_shard_degree_that_does_not_divide_the_world_is_one_line(corpus, tmp_path):
+    out = tmp_path / "run"  # one rank: the check is the same on every rank of a larger world
+    results = launch(tmp_path, run_args(corpus, out, 1, 2), 1, timeout_s=60)
+    one_line_error_on_every_rank(results, "Invalid shard_degree: 2 does not divide the world size 1")
+    assert not out.exists()
+
+
+def test_resume_of_a_hybrid_run_is_refused_before_anything_is_written(corpus, tmp_path):
+    out = tmp_path / "run"
+    results = launch(tmp_path, run_args(corpus, out, 1, 2, extra=["--resume"]), 2, timeout_s=60)
+    one_line_error_on_every_rank(results, "--resume with shard_degree 2 is not supported")
+    assert not out.exists()
+
+
+def test_an_in_process_run_with_a_shard_degree_is_one_line(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert run.main(list(map(str, run_args(corpus, tmp_path / "run", 2, 2)))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: shard_degree 2 needs torchrun") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+# -- experiments.train_ddp ------------------------------------------------------------------------
+
+# chunk 4: every local shard of the MLP (first dimensions 32 and 4) is whole chunks, as unsharded
+DDP_ARGS = ["--no-log", "--timeout-s", "30", "--steps", "4", "--compression-chunk", "4",
+            "--compression-topk", "2"]
+
+
+def _closing_lines(results):
+    """Each rank's last line: rank R: eval loss L | params C | payload P B/step | ..."""
+    lines = []
+    for code, stdout, err in results:
+        assert code == 0, err
+        closing = stdout.strip().splitlines()[-1].split(": ", 1)[1]
+        fields = dict(f.strip().split(" ", 1) for f in closing.split("|"))
+        lines.append(fields)
+    return lines
+
+
+def test_train_ddp_hybrid_takes_the_unsharded_runs_steps_on_local_shards(tmp_path):
+    hybrid = _closing_lines(launch(tmp_path, [*DDP_ARGS, "--shard-degree", "2"], 4, 90, "train_ddp"))
+    plain = _closing_lines(launch(tmp_path, DDP_ARGS, 2, 60, "train_ddp"))
+    assert len({(r["params"], r["eval"]) for r in hybrid}) == 1  # every rank: the same full model
+    assert float(hybrid[0]["eval"].split()[1]) == pytest.approx(float(plain[0]["eval"].split()[1]), rel=LOSS_RTOL)
+    shapes = [(32, 16), (32,), (32, 64), (32,), (4, 64), (4,)]  # TinyMLP's shards over 2 ranks
+    layout = PayloadLayout([param_spec(s, 2, 4, 1) for s in shapes])
+    assert hybrid[0]["payload"] == f"{layout.nbytes} B/step"
+    assert int(plain[0]["payload"].split()[0]) > layout.nbytes
+
+
+def test_train_ddp_shard_degree_that_does_not_divide_the_world_is_one_line(tmp_path):
+    results = launch(tmp_path, [*DDP_ARGS, "--shard-degree", "2"], 1, 60, "train_ddp")
+    one_line_error_on_every_rank(results, "Invalid shard_degree: 2 does not divide the world size 1")
+
+
+def test_train_ddp_refuses_checkpoints_with_a_shard_degree(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        TrainConfig.from_args(["--shard-degree", "2", "--save-dir", "somewhere"])
+    assert exit_info.value.code == 2
+    assert "--save-dir and --resume-dir are not supported with --shard-degree > 1" in capsys.readouterr().err
