@@ -82,6 +82,7 @@ class HivemindBackend(Backend):
         state_timeout_s: float = 60.0,
         startup_timeout_s: float = 30.0,
         dht_kwargs: dict | None = None,
+        untrusted_fraction: float = 0.0,
     ):
         check_settings(
             run_id, step_timeout_s=step_timeout_s, gather_fraction=gather_fraction, exclude_s=exclude_s,
@@ -94,6 +95,9 @@ class HivemindBackend(Backend):
             max_state_nbytes=max_state_nbytes, state_timeout_s=state_timeout_s,
             startup_timeout_s=startup_timeout_s,
         )
+        if not 0.0 <= untrusted_fraction < 0.5:
+            raise ValueError(f"Invalid untrusted_fraction: {untrusted_fraction!r} (expected in [0, 0.5))")
+        self.untrusted_fraction = float(untrusted_fraction)
         self.rank, self.world_size, self.stats = 0, 1, CommStats()
         self.last_contributors: list[str] = []
         self._own_dht, self.dht = dht is None, dht

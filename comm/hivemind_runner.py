@@ -92,9 +92,13 @@ class RoundRunner:
         r.phase1.set()
         await r.wait_until(lambda: all(p in r.vote_done for p in r.payloads), r.vote_deadline)
         votes = {p: v for p, v in r.votes.items() if p in r.payloads}
-        # a vote can only take payloads out; digests in it that we do not hold are claims we cannot
-        # check, and count for nothing
-        agreed = wire.agree(held, votes)
+        # a payload counts when most voters hold it; one that most hold and we lack was applied by
+        # them without us: apply nothing, reload state (as for a step finished without us)
+        agreed, missing = wire.agree(held, votes)
+        if missing:
+            logger.warning("step %d: most voters hold a payload this peer lacks: out of sync", step)
+            self.book.out_of_sync = True
+            return self._finish(r, [])
         result = [(p, payload if p == self.peer_id else r.payloads[p]) for p in agreed]
         logger.debug("step %d held %s, votes of %s -> %s", step, _short(held), _short(votes), _short(agreed))
         return self._finish(r, result)

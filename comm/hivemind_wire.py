@@ -1,4 +1,5 @@
-"""Frames of the hivemind backend's streams, and the rule that turns votes into a step's contributor set.
+"""Frames of the hivemind backend's streams, and the rule that turns votes into a step's contributor set
+(no single voter can veto, ``agree``).
 
 Gather stream (one per ordered pair of peers and step; the opener pushes, the acceptor listens):
 
@@ -64,24 +65,40 @@ def decode_vote(data: bytes, step: int) -> frozenset[bytes]:
     return frozenset(data[i : i + DIGEST_NBYTES] for i in range(U64.size, len(data), DIGEST_NBYTES))
 
 
-def agree(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> list[str]:
-    """The contributors of a step: the payloads this peer holds that every vote also holds.
+VETO_QUORUM = 2  # a payload leaves a step when at least this many voters lack it
+
+
+def agree(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> tuple[list[str], bool]:
+    """The contributors of a step, and whether this peer misses one of them.
 
     ``held`` maps each payload this peer received in time (its own included) to its digest; ``votes``
-    maps each peer whose payload is held to that peer's vote (the digests it holds). When every
-    voter's vote reaches every other voter, all peers compute the same intersection, so they apply
-    the same set of payloads in the same (sorted peer id) order. A payload that reached only some
-    peers is dropped everywhere; a sender that sent different payloads to different peers (different
-    digests) is dropped too. Votes of peers whose payload is not held are ignored, so a stranger
-    cannot veto by voting alone. A vote can only take payloads out: digests in it that this peer does
-    not hold add nothing (nobody's claim to hold a payload makes this peer apply bytes it did not
-    receive and validate itself).
+    maps each peer whose payload is held to that peer's vote (the digests it holds). The ballots are
+    this peer's own (``held``) and the votes. A digest named on some ballot is a contributor unless
+    at least ``VETO_QUORUM`` ballots lack it; this peer applies the contributors it holds itself.
+
+    Why not an intersection (every ballot must hold it): then one voter removes any payload, and a
+    rogue whose vote lists only its own payload makes every honest peer apply only the rogue's. With
+    a quorum of two, no single voter takes an honest payload out, whatever it votes.
+
+    Why a count of ballots that *lack* a payload, not of those that hold it: the ballots differ
+    between peers exactly where delivery failed. A peer that lacks X's payload also lacks X's vote,
+    but X's vote never lacks X's own payload, so every peer counts the same lacks for X. Hence, when
+    every vote reaches every voter, honest peers keep the same payloads in the same (sorted peer id)
+    order: a payload that reached all voters but one is kept, and the one that lacks it (the second
+    return value is True) applies nothing and reloads state, as a peer that finds a step finished
+    without it does; a payload that reached fewer is dropped everywhere. A sender that sent different
+    payloads to different peers splits them over different digests, each lacked by the rest. A digest
+    that no ballot but a rogue's names is lacked by every honest ballot, so it is dropped once two
+    honest voters take part; nobody's claim makes this peer apply bytes it did not receive and
+    validate itself. Votes of peers whose payload is not held are ignored, so a stranger cannot vote
+    without contributing. Two rogues that vote together can still veto (the run's guarantees, in
+    docs/volunteers.md, count them).
     """
-    agreed = dict(held)
-    for voter, vote in votes.items():
-        if voter in held:
-            agreed = {p: d for p, d in agreed.items() if d in vote}
-    return sorted(agreed)
+    ballots = [frozenset(held.values()), *(v for voter, v in votes.items() if voter in held)]
+    named = set().union(*ballots)
+    carried = {d for d in named if sum(d not in b for b in ballots) < VETO_QUORUM}
+    agreed = sorted(p for p, d in held.items() if d in carried)
+    return agreed, not carried <= set(held.values())
 
 
 async def read_frame(

@@ -17,32 +17,44 @@ def votes_seen_by(me, held):
     return {q: set(held[q].values()) for q in held if q != me and q in held[me]}
 
 
-def test_agree_keeps_payloads_every_voter_holds():
+def test_agree_drops_a_payload_that_two_voters_lack():
     held = {"a": "1", "b": "2", "c": "3"}
-    votes = {"b": {"1", "2", "3"}, "c": {"1", "2"}}
-    assert wire.agree(held, votes) == ["a", "b"]
+    votes = {"b": {"1", "2"}, "c": {"1", "2"}}
+    assert wire.agree(held, votes) == (["a", "b"], False)
+
+
+def test_one_voter_that_lists_only_its_own_payload_vetoes_nothing():
+    held = {"a": "1", "b": "2", "c": "3", "r": "4"}
+    votes = {"b": {"1", "2", "3", "4"}, "c": {"1", "2", "3", "4"}, "r": {"4"}}
+    assert wire.agree(held, votes) == (["a", "b", "c", "r"], False)
 
 
 def test_agree_is_the_same_on_every_peer_when_all_votes_arrive():
     held = {"a": {"a": "1", "b": "2"}, "b": {"a": "1", "b": "2"}, "c": {"a": "1", "b": "2", "c": "3"}}
     results = {me: wire.agree(held[me], votes_seen_by(me, held)) for me in held}
-    assert results == {"a": ["a", "b"], "b": ["a", "b"], "c": ["a", "b"]}
+    assert results == {me: (["a", "b"], False) for me in held}
 
 
-def test_digests_a_vote_holds_that_this_peer_does_not_add_nothing():
-    held = {"a": "1", "b": "2"}
-    assert wire.agree(held, {"b": {"1", "2", "made-up"}}) == ["a", "b"]
+def test_a_peer_that_lacks_a_payload_the_others_keep_learns_it_must_reload():
+    held = {"a": "1", "b": "2", "c": "3"}  # d's payload "4" reached b and c only
+    votes = {"b": {"1", "2", "3", "4"}, "c": {"1", "2", "3", "4"}}
+    assert wire.agree(held, votes) == (["a", "b", "c"], True)
+
+
+def test_a_made_up_digest_in_one_vote_adds_nothing():
+    held = {"a": "1", "b": "2", "c": "3"}
+    assert wire.agree(held, {"b": {"1", "2", "3", "made-up"}, "c": {"1", "2", "3"}}) == (["a", "b", "c"], False)
 
 
 def test_agree_drops_a_sender_that_sent_different_payloads_to_different_peers():
-    held = {"a": "1", "b": "2", "r": "x1"}
-    votes = {"r": {"1", "2", "x1"}, "b": {"1", "2", "x2"}}
-    assert wire.agree(held, votes) == ["a", "b"]
+    held = {"a": "1", "b": "2", "c": "3", "r": "x1"}
+    votes = {"r": {"1", "2", "3", "x1"}, "b": {"1", "2", "3", "x2"}, "c": {"1", "2", "3", "x2"}}
+    assert wire.agree(held, votes) == (["a", "b", "c"], False)
 
 
 def test_agree_ignores_votes_of_peers_whose_payload_is_not_held():
     held = {"a": "1", "b": "2"}
-    assert wire.agree(held, {"stranger": set()}) == ["a", "b"]
+    assert wire.agree(held, {"stranger": set(), "other": set()}) == (["a", "b"], False)
 
 
 def test_vote_roundtrip_gives_the_digests():
