@@ -38,32 +38,37 @@ def valid(buf) -> bool:
     return int(buf[0]) != INVALID
 
 
-def forge_votes_and_log(rogue, log_entries):
-    """Make ``rogue`` add a made-up digest to every vote and log ``log_entries(step)`` as the
-    (peer, payload) pairs it applied: a voter that claims to hold a payload nobody else has."""
+def bend_votes(rogue, vote_of, log_entries=None):
+    """Make ``rogue`` send ``vote_of(round, honest_vote)`` instead of each honest vote (an abstention,
+    the empty vote, stays one), and log ``log_entries(step)`` as the (peer, payload) pairs it applied."""
 
-    class ForgedVoteRound(Round):
+    class BentVoteRound(Round):
         @property
         def my_vote(self):
             return self._vote
 
         @my_vote.setter
         def my_vote(self, vote):
-            self._vote = vote + MADE_UP if vote else vote
+            self._vote = vote_of(self, vote) if vote else vote
 
     book, finish = rogue._book, rogue._book.finish
 
     def round_(step):
         if step not in book.rounds:
-            book.rounds[step] = ForgedVoteRound(step)
+            book.rounds[step] = BentVoteRound(step)
         return book.rounds[step]
 
     def finish_(r, *result):
         finish(r, *result)
-        if hasattr(book, "log"):  # what the rogue serves to a peer that asks for its round log
+        if log_entries is not None and hasattr(book, "log"):  # served to a peer that asks for its round log
             book.log[r.step] = log_entries(r.step)
 
     book.round, book.finish = round_, finish_
+
+
+def forge_votes_and_log(rogue, log_entries):
+    """A voter that claims to hold a payload nobody else has, and logs a made-up result."""
+    bend_votes(rogue, lambda r, vote: vote + MADE_UP, log_entries)
 
 
 def contributions(backend, result) -> dict:
@@ -74,6 +79,16 @@ def test_a_made_up_digest_in_a_vote_never_puts_the_rogues_bytes_under_honest_nam
     with group(dhts, n=4) as bs:
         honest, rogue = bs[:3], bs[3]
         forge_votes_and_log(rogue, lambda step: [(h.peer_id, bytes(filled(9))) for h in honest])
+        for _ in range(2):
+            results, _ = gather([(b, filled(9 if b is rogue else 1 + i)) for i, b in enumerate(bs)])
+            expected = {h.peer_id: 1 + i for i, h in enumerate(honest)} | {rogue.peer_id: 9}
+            assert [contributions(h, r) for h, r in zip(honest, results)] == [expected] * 3
+
+
+def test_a_vote_that_lists_only_the_rogues_own_payload_vetoes_no_honest_payload(dhts):
+    with group(dhts, n=4) as bs:
+        honest, rogue = bs[:3], bs[3]
+        bend_votes(rogue, lambda r, vote: wire.encode_vote(r.step, [wire.digest(rogue.peer_id, r.own)]))
         for _ in range(2):
             results, _ = gather([(b, filled(9 if b is rogue else 1 + i)) for i, b in enumerate(bs)])
             expected = {h.peer_id: 1 + i for i, h in enumerate(honest)} | {rogue.peer_id: 9}
