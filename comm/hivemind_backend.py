@@ -8,13 +8,14 @@ One ``all_gather`` is one *round* (numbered by step) in two phases, both under o
    that has not arrived by then is left out of the step; if it comes later, it is answered LATE.
 2. agree (until ``0.8 * step_timeout_s``): send every peer whose payload we hold a vote (the digests
    of all payloads we hold); wait for their votes; the contributors are ``hivemind_wire.agree``: the
-   payloads held by everyone who voted, sorted by peer id, so every peer reduces in the same order.
+   payloads fewer than two ballots lack (no single voter vetoes), sorted by peer id, so every peer
+   reduces in the same order; a peer that lacks a contributor applies nothing and reloads state.
 
 A round holds only what this peer checked itself: a payload counts when it came on its sender's own
-stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; a vote
-can only take payloads out. Nothing is relayed: a peer that finds the step finished without it (an
-admitted peer answered LATE and never sent its payload) abstains, applies nothing and sets
-``out_of_sync``, so that the program reloads state. When every vote reaches every voter, all peers
+stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; no
+vote makes this peer apply bytes it did not receive. Nothing is relayed: a peer that finds the step
+finished without it (an admitted peer answered LATE and never sent its payload) abstains, applies
+nothing and sets ``out_of_sync``, so that the program reloads state. When every vote reaches every voter, all peers
 compute the same set; what can still slip through (a peer that vanishes between its votes; two
 client-mode peers that never reach each other; a voter that tells peers different things) is caught
 by the replica checksum the peer program compares through the DHT every K steps
@@ -25,7 +26,9 @@ must be made with ``identity_path=`` (the key to sign with). ``allow_peers`` gua
 peer serves and the checksum majority. The backend never looks inside a payload: it enforces sizes
 (a length field above this peer's own payload's closes the stream unread) and excludes a sender for
 ``exclude_s`` for a wrong size, a payload ``payload_validator`` rejects, or one the optimizer reports
-(``report_invalid``). ``stats`` counts the gather streams' bytes, ``state_stats`` the state streams'.
+(``report_invalid``). ``untrusted_fraction`` > 0 tells the optimizer that up to that share of the
+contributors may be rogues (it then aggregates with a trimmed mean, ``distro_opt/robust.py``).
+``stats`` counts the gather streams' bytes, ``state_stats`` the state streams'.
 
 NAT: a ``client_mode=True`` peer accepts no streams; it opens one to every server, which answers on
 it (flag REPLY). Two client-mode peers reach each other only through a relay

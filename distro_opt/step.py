@@ -195,7 +195,9 @@ def aggregate(seg: Segment, contributions, like: torch.Tensor):
     return idx, values / count
 
 
-def apply_update(entries, layout: PayloadLayout, unpacked, states, transform, rule_of, untrusted_fraction=0.0) -> None:
+def apply_update(
+    entries, layout: PayloadLayout, unpacked, states, transform, rule_of, untrusted_fraction=0.0
+) -> None:
     """Stages 8-10: per segment, the aggregate of the unpacked payloads, its inverse transform U per
     parameter, and ``rule_of(group)(group, p, U, state)`` (``updates.py``). With no payload at all
     U is zero (the rule still runs: the local-step mode's outer step moves on its momentum).
