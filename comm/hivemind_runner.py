@@ -92,11 +92,11 @@ class RoundRunner:
         r.phase1.set()
         await r.wait_until(lambda: all(p in r.vote_done for p in r.payloads), r.vote_deadline)
         votes = {p: v for p, v in r.votes.items() if p in r.payloads}
-        # a payload counts when most voters hold it; one that most hold and we lack was applied by
-        # them without us: apply nothing, reload state (as for a step finished without us)
+        # a payload counts unless two ballots lack it; one that counts and we lack is applied by the
+        # others without us: apply nothing, reload state (as for a step finished without us)
         agreed, missing = wire.agree(held, votes)
         if missing:
-            logger.warning("step %d: most voters hold a payload this peer lacks: out of sync", step)
+            logger.warning("step %d: a contributor's payload never reached this peer: out of sync", step)
             self.book.out_of_sync = True
             return self._finish(r, [])
         result = [(p, payload if p == self.peer_id else r.payloads[p]) for p in agreed]

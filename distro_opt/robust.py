@@ -16,14 +16,13 @@ robust distributed learning: towards optimal statistical rates", arXiv 1803.0149
 Bound: if at most b of the N contributors are rogues, every agg[c] lies between the smallest and
 the largest honest value of coefficient c (zeros included), whatever the rogues send, because
 after the trim each side keeps at least one honest value beyond any rogue value that survived.
-So a rogue can neither put energy where no honest worker has any (those coefficients become 0
-when fewer than b + 1 honest workers kept them), nor scale or flip a coefficient the honest ones
-share beyond their own range. With N = 2 nothing is trimmed (b = 0): two peers cannot tell which
+So a rogue can neither put energy where no honest worker has any (the honest range is 0 there),
+nor scale or flip a coefficient beyond the honest values' range. With N = 2 nothing is trimmed (b = 0): two peers cannot tell which
 of them is the rogue.
 
-Cost: the trim also drops honest values, so a coefficient kept by at most b workers is lost, and one
-kept by few is shrunk toward 0; when all N kept it with the same value the result is that value.
-Memory is one dense (N, chunks, coefficients) tensor per segment.
+Cost: the trim also drops honest values, so a coefficient kept by at most b workers (with one sign)
+is lost, and one kept by few is shrunk toward 0; when all N kept it with the same value the result
+is that value. Memory is one dense (N, chunks, coefficients) tensor per segment.
 """
 
 from __future__ import annotations
