@@ -87,6 +87,10 @@ class Backend(ABC):
     # load_state_dict, and refuses to train replicas that differ. A backend that keeps replicas in
     # line its own way (hivemind: checksums in the DHT, state downloads) leaves it False.
     compares_replicas: bool = False
+    # The share of contributors that may be rogues (0: all trusted). Above 0 the optimizer aggregates
+    # with a trimmed mean that bounds what any of them can do (``distro_opt/robust.py``); the backend
+    # only states who may be sending, it never looks inside a payload.
+    untrusted_fraction: float = 0.0
 
     @abstractmethod
     def all_gather(self, buf: torch.Tensor) -> list[torch.Tensor]:

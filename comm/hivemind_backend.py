@@ -11,10 +11,10 @@ One ``all_gather`` is one *round* (numbered by step) in two phases, both under o
    payloads held by everyone who voted, sorted by peer id, so every peer reduces in the same order.
 
 A round holds only what this peer checked itself: a payload counts when it came on its sender's own
-stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; a vote
-can only take payloads out. Nothing is relayed: a peer that finds the step finished without it (an
-admitted peer answered LATE and never sent its payload) abstains, applies nothing and sets
-``out_of_sync``, so that the program reloads state. When every vote reaches every voter, all peers
+stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; no
+vote makes this peer apply bytes it did not receive. Nothing is relayed: a peer that finds the step
+finished without it (an admitted peer answered LATE and never sent its payload) abstains, applies
+nothing and sets ``out_of_sync``, so that the program reloads state. When every vote reaches every voter, all peers
 compute the same set; what can still slip through (a peer that vanishes between its votes; two
 client-mode peers that never reach each other; a voter that tells peers different things) is caught
 by the replica checksum the peer program compares through the DHT every K steps
@@ -25,7 +25,9 @@ must be made with ``identity_path=`` (the key to sign with). ``allow_peers`` gua
 peer serves and the checksum majority. The backend never looks inside a payload: it enforces sizes
 (a length field above this peer's own payload's closes the stream unread) and excludes a sender for
 ``exclude_s`` for a wrong size, a payload ``payload_validator`` rejects, or one the optimizer reports
-(``report_invalid``). ``stats`` counts the gather streams' bytes, ``state_stats`` the state streams'.
+(``report_invalid``). ``untrusted_fraction`` > 0 tells the optimizer that up to that share of the
+contributors may be rogues (it then aggregates with a trimmed mean, ``distro_opt/robust.py``).
+``stats`` counts the gather streams' bytes, ``state_stats`` the state streams'.
 
 NAT: a ``client_mode=True`` peer accepts no streams; it opens one to every server, which answers on
 it (flag REPLY). Two client-mode peers reach each other only through a relay
@@ -82,6 +84,7 @@ class HivemindBackend(Backend):
         state_timeout_s: float = 60.0,
         startup_timeout_s: float = 30.0,
         dht_kwargs: dict | None = None,
+        untrusted_fraction: float = 0.0,
     ):
         check_settings(
             run_id, step_timeout_s=step_timeout_s, gather_fraction=gather_fraction, exclude_s=exclude_s,
@@ -94,6 +97,9 @@ class HivemindBackend(Backend):
             max_state_nbytes=max_state_nbytes, state_timeout_s=state_timeout_s,
             startup_timeout_s=startup_timeout_s,
         )
+        if not 0.0 <= untrusted_fraction < 0.5:
+            raise ValueError(f"Invalid untrusted_fraction: {untrusted_fraction!r} (expected in [0, 0.5))")
+        self.untrusted_fraction = float(untrusted_fraction)
         self.rank, self.world_size, self.stats = 0, 1, CommStats()
         self.last_contributors: list[str] = []
         self._own_dht, self.dht = dht is None, dht

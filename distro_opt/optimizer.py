@@ -211,7 +211,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             before_apply()
         if unpacked or not self._source.skips_empty_steps:  # else nobody contributed: skipped alike
             work, states = self._local_work(entries)
-            apply_update(work, layout, unpacked, states.dicts, self._stacks.transform, self._update_rule)
+            untrusted = getattr(self.comm, "untrusted_fraction", 0.0)  # a volunteer run open to strangers
+            apply_update(work, layout, unpacked, states.dicts, self._stacks.transform, self._update_rule, untrusted)
             states.write_back()
             self._source.after_update(self, entries)
         return t1 - t0, time.perf_counter() - t1

@@ -9,6 +9,7 @@ Algorithm 1). Per parameter p with momentum input g (its gradient, or a pseudo-g
     6. gather                 one all-gather of that buffer                  the optimizer's backend
     7. validate and unpack    every payload, before anything changes         ``unpack_payloads``
     8. aggregate              each coefficient: mean over the workers that kept it   ``aggregate``
+                              (untrusted contributors: a trimmed mean over all)      ``robust.py``
     9. inverse transform      U = IDCT(aggregate)                            ``apply_update``
    10. update                 p <- rule(p, U): sign, rms, adam, outer        ``apply_update``, ``updates.py``
 
@@ -29,6 +30,7 @@ import warnings
 
 import torch
 
+from .robust import trimmed_mean_aggregate
 from .values import PayloadError, value_codec
 from .wire import PayloadLayout, Segment
 
@@ -193,10 +195,14 @@ def aggregate(seg: Segment, contributions, like: torch.Tensor):
     return idx, values / count
 
 
-def apply_update(entries, layout: PayloadLayout, unpacked, states, transform, rule_of) -> None:
+def apply_update(
+    entries, layout: PayloadLayout, unpacked, states, transform, rule_of, untrusted_fraction=0.0
+) -> None:
     """Stages 8-10: per segment, the aggregate of the unpacked payloads, its inverse transform U per
     parameter, and ``rule_of(group)(group, p, U, state)`` (``updates.py``). With no payload at all
     U is zero (the rule still runs: the local-step mode's outer step moves on its momentum).
+    ``untrusted_fraction`` > 0 (the backend's, for runs open to strangers) takes the trimmed mean of
+    ``robust.py`` instead of DeMo's aggregate.
 
     U comes in the transform's blocked layout (``DCTTransform.inverse_sparse_pieces``), which a contiguous
     parameter's view lines up with element for element."""
@@ -204,7 +210,11 @@ def apply_update(entries, layout: PayloadLayout, unpacked, states, transform, ru
         params = [entries[m][1] for m in seg.members]
         seg_states = [states[m] for m in seg.members]
         if unpacked:
-            idx, weights = aggregate(seg, [d[j] for d in unpacked], like=seg_states[0]["delta"])
+            contributions, like = [d[j] for d in unpacked], seg_states[0]["delta"]
+            if untrusted_fraction > 0:
+                idx, weights = trimmed_mean_aggregate(seg, contributions, like, untrusted_fraction, to_device)
+            else:
+                idx, weights = aggregate(seg, contributions, like=like)
             pieces = [(a, b, tuple(p.shape)) for p, (a, b) in zip(params, seg.rows)]
             directions = transform.inverse_sparse_pieces(idx, weights, seg.chunk, pieces)
         else:

@@ -70,6 +70,7 @@ BAD_INPUT = [
     (["--steps", "0"], "argument --steps: '0': expected a number >= 1"),
     (["--min-peers", "0"], "argument --min-peers: '0': expected a number >= 1"),
     (["--join", "--wait-peers-s", "3"], "--join needs --initial-peers"),
+    (["--untrusted-fraction", "0.5"], "--untrusted-fraction 0.5: expected < 0.5"),
 ]
 
 
@@ -78,6 +79,16 @@ def test_bad_input_is_one_line_and_exit_2_before_the_dht_starts(restored_logging
     code, out, err = run_main(capsys, *argv)
     assert code == 2 and out == "", (code, out, err)
     assert_one_error_line(err, expected)
+
+
+@pytest.mark.parametrize(
+    "argv, fraction",
+    [([], 0.25), (["--allow-peers", PEER_ID], 0.0), (["--allow-peers", PEER_ID, "--untrusted-fraction", "0.3"], 0.3)],
+)
+def test_a_run_open_to_strangers_aggregates_with_the_trimmed_mean(argv, fraction):
+    from distro_opt.volunteer.args import untrusted_fraction
+
+    assert untrusted_fraction(volunteer.parse_args(["--run-id", "cli", *argv])) == fraction
 
 
 def test_missing_corpus_is_one_line_and_exit_2(restored_logging, capsys, monkeypatch, tmp_path):

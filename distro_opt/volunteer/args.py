@@ -16,6 +16,8 @@ from .outputs import check_outputs
 from .tasks import SYNTHETIC, LanguageTask, language_presets, make_task
 from .training import make_optimizer
 
+PUBLIC_UNTRUSTED_FRACTION = 0.25  # trimmed per side in a run without --allow-peers (robust.py)
+
 DESCRIPTION = (
     "A volunteer peer: join (or start) a run over hivemind and train its own data shard with DisTrO-AdamW."
 )
@@ -62,6 +64,13 @@ def build_parser() -> Parser:
     p.add_argument("--client-mode", action="store_true", help="behind NAT: open streams, accept none")
     p.add_argument(
         "--allow-peers", nargs="+", default=None, metavar="PEER_ID", help="private run: only these peer ids"
+    )
+    p.add_argument(
+        "--untrusted-fraction",
+        type=number(float, 0),
+        default=None,
+        help="share of contributors that may be rogues, < 0.5: above 0 each DCT coefficient is a trimmed "
+        f"mean over all contributors (default {PUBLIC_UNTRUSTED_FRACTION} for a public run, 0 with --allow-peers)",
     )
     p.add_argument(
         "--preset",
@@ -138,6 +147,14 @@ def backend_settings(args) -> dict:
     )
 
 
+def untrusted_fraction(args) -> float:
+    """The backend's ``untrusted_fraction``: a run open to strangers (no allow list) defaults to
+    trimming a quarter of each coefficient's values on each side (robust to 1 rogue of 4, 2 of 8)."""
+    if args.untrusted_fraction is not None:
+        return args.untrusted_fraction
+    return 0.0 if args.allow_peers else PUBLIC_UNTRUSTED_FRACTION
+
+
 def check_backend_settings(args) -> None:
     """The backend's own checks (run id, times), with its defaults for what the flags do not set."""
     from distro_opt.comm.hivemind_backend import HivemindBackend, check_settings
@@ -146,6 +163,8 @@ def check_backend_settings(args) -> None:
     settings = {n: defaults[n].default for n in inspect.signature(check_settings).parameters if n != "run_id"}
     settings.update(backend_settings(args))
     check_settings(args.run_id, **settings)
+    if not untrusted_fraction(args) < 0.5:
+        raise UsageError(f"--untrusted-fraction {args.untrusted_fraction:g}: expected < 0.5 (a majority must be honest)")
 
 
 def check_addresses(args) -> None:

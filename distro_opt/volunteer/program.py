@@ -11,7 +11,7 @@ import traceback
 
 from distro_opt.cli_args import UsageError, fail, os_error_message
 
-from .args import backend_settings, check_args, parse_args
+from .args import backend_settings, check_args, parse_args, untrusted_fraction
 from .tasks import task_errors
 from .training import train
 
@@ -30,6 +30,7 @@ def make_backend(args):
         host_maddrs=args.host_maddrs,
         client_mode=args.client_mode,
         allow_peers=args.allow_peers,
+        untrusted_fraction=untrusted_fraction(args),
         **backend_settings(args),
     )
 
