@@ -13,6 +13,7 @@ mkdir -p "$OUT"
 GRID="lr=2x,4x,8x"  # sh-p: lr=1x,2x,4x,8x (1x was the worst point of every arm there)
 SPLIT="distro:embed.topk=8,matrix.topk=2,decay=0.9"   # per-kind top-k (1,031x)
 UNIFORM="distro:topk=3,decay=0.9"                     # the same idea for every parameter (1,135x)
+TOP3="distro:topk=3"                                  # top-3 alone (1,135x)
 LOCAL="distro:sync_every=16,topk=12,bits=2,embed.topk=31,matrix.topk=6"  # local steps (5,751x)
 CORPUS="$OUT/corpus-canterbury"
 canterbury_corpus "$CORPUS"
@@ -20,7 +21,9 @@ TUNED=(--preset smoke --seeds 0,1 --sweep "$GRID")
 run sh-p --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x,8x" --arms "adamw,distro,$SPLIT"
 run sh-u "${TUNED[@]}" --arms "$UNIFORM"
 run ca-p "${TUNED[@]}" --corpus "$CORPUS" --arms "adamw,distro,$UNIFORM"
+run sh-t3 "${TUNED[@]}" --arms "$TOP3"
+run ca-t3 "${TUNED[@]}" --corpus "$CORPUS" --arms "$TOP3"
 run sh-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --arms "$LOCAL"
 run ca-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --corpus "$CORPUS" --arms "$LOCAL"
-"$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-l" --out "$OUT/frontier-tuned-sh" --force
-"$PY" -m experiments.frontier "$OUT/ca-p" "$OUT/ca-l" --out "$OUT/frontier-tuned-ca" --force
+"$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-t3" "$OUT/sh-l" --out "$OUT/frontier-tuned-sh" --force
+"$PY" -m experiments.frontier "$OUT/ca-p" "$OUT/ca-t3" "$OUT/ca-l" --out "$OUT/frontier-tuned-ca" --force
