@@ -159,8 +159,10 @@ def _edge_keys(best: dict, points: list[dict]) -> list[str]:
 
 def tuned_table(tuned: dict) -> str:
     """Markdown: one row per base arm, its chosen point and the best-vs-best gap per seed."""
+    ref = (f"reference: `{tuned['reference']}`" if tuned["reference"] else
+           "no AdamW arm here: experiments.frontier pairs these with the tuned AdamW of another run")
     lines = [
-        f"Tuned, best vs best ({tuned['rule']}; reference: `{tuned['reference']}`):",
+        f"Tuned, best vs best ({tuned['rule']}; {ref}):",
         "",
         "| arm | chosen point | grid points | final val loss (per seed) | gap vs tuned AdamW (per seed) | vs dense bf16 |",
         "|---|---|---|---|---|---|",
