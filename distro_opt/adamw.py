@@ -5,7 +5,9 @@ import torch
 
 from .local_steps import LocalSteps, default_inner_optimizer, inner_group, synced_parameters
 from .optimizer import DecoupledMomentumOptimizer
-from .settings import ADAMW_FLAGS, check_adamw_flags, check_adamw_settings, check_hyperparameters
+from .settings import (
+    ADAMW_FLAGS, check_adamw_flags, check_adamw_settings, check_error_feedback, check_hyperparameters,
+)
 from .updates import AdamUpdate, OuterUpdate, RmsUpdate, SignUpdate
 
 class DisTrOAdamW(DecoupledMomentumOptimizer):
@@ -35,6 +37,11 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     new dict per group holding its params and these four, and ``add_param_group`` reaches the inner
     optimizer too. Under a GradScaler the inner steps take the unscaled gradients, and an overflow
     skips that inner step only: the sync still sends ``anchor - p``.
+
+    ``error_feedback`` says what the momentum loses when its top-k is sent: ``"sent"`` (default,
+    DeMo's rule) subtracts the values as the receivers dequantize them, so the quantization error
+    stays in the momentum and is sent later; ``"kept"`` (Psyche's rule) subtracts the kept values
+    before quantization, so the momentum forgets those coefficients whole.
 
     The defaults (top-4 of each 64x64 chunk, 1-bit values with a bf16 magnitude per chunk) send
     8.5 bytes per 4096 parameters: 0.0021 bytes per parameter per step, as lean as Psyche's setting.
@@ -72,6 +79,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         compression_chunk: int = 64,
         compression_bits: int = 1,
         update: str = "sign",
+        error_feedback: str = "sent",
         sync_every: int = 1,
         inner_optimizer=None,
         outer_lr: float = 1.0,
@@ -81,6 +89,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     ):
         check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits)
         check_adamw_settings(betas, eps, update, outer_lr, outer_momentum)
+        check_error_feedback(error_feedback)
         if not (isinstance(sync_every, int) and sync_every >= 1):
             raise ValueError(f"Invalid sync_every value: {sync_every}")
         defaults = dict(
@@ -90,6 +99,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
         )
+        self.error_feedback = error_feedback
         self.sync_every = sync_every  # read by _check_group, which torch's constructor calls
         super().__init__(params, defaults, comm=comm, overlap=overlap)
         weight_decay_rule = self._weight_decay

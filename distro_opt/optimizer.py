@@ -52,6 +52,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     # what feeds the momentum (``local_steps.py``); a class default because torch's constructor
     # calls add_param_group, which reads it, before __init__ could set it
     _source = GRADIENTS
+    # what the error feedback subtracts (``settings.FEEDBACKS``); DisTrOAdamW lets the user choose
+    error_feedback = "sent"
 
     def __init__(self, params, defaults, comm=None, process_group=None, overlap=False):
         super().__init__(params, defaults)
@@ -171,7 +173,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             work, states = self._local_work(entries)
             unscale = self._source.unscale(self)
             scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
-            parts, news = compress(work, layout, inputs, states.dicts, self._stacks, scales)
+            parts, news = compress(
+                work, layout, inputs, states.dicts, self._stacks, scales, feedback=self.error_feedback
+            )
             states.write_back()
         buf = layout.pack(parts)
         codec_s = time.perf_counter() - t0

@@ -22,6 +22,10 @@ def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk,
 
 
 UPDATES = ("sign", "adam", "rms")
+# What the error feedback subtracts from the momentum: what the receivers dequantize (DeMo's rule:
+# the quantization error stays in the momentum and is sent later), or the kept top-k values before
+# quantization (Psyche's: the momentum forgets the kept coefficients whole).
+FEEDBACKS = ("sent", "kept")
 # torch.optim.AdamW's flags and their defaults, accepted so that a call written for AdamW works here
 # unchanged. foreach and fused choose among torch's kernels; this optimizer's step has its own.
 ADAMW_FLAGS = dict(
@@ -40,6 +44,11 @@ def check_adamw_flags(group, local_steps: bool) -> None:
         raise ValueError(
             "amsgrad=True applies to update='adam' (or to the inner AdamW steps of sync_every > 1)"
         )
+
+
+def check_error_feedback(error_feedback) -> None:
+    if error_feedback not in FEEDBACKS:
+        raise ValueError(f"Invalid error_feedback: {error_feedback!r} (expected one of {FEEDBACKS})")
 
 
 def check_adamw_settings(betas, eps, update, outer_lr, outer_momentum) -> None:

@@ -5,6 +5,7 @@ Algorithm 1). Per parameter p with momentum input g (its gradient, or a pseudo-g
     2. select                 the top-k coefficients of every chunk         ``compress``
     3. quantize               the kept values in ``compression_bits``        ``compress``
     4. error feedback         Delta' -= what the receivers will dequantize   ``compress``
+                              (or the kept values before quantization)
     5. pack                   every parameter into one uint8 buffer          ``PayloadLayout.pack``
     6. gather                 one all-gather of that buffer                  the optimizer's backend
     7. validate and unpack    every payload, before anything changes         ``unpack_payloads``
@@ -80,12 +81,14 @@ def check_inputs(entries, inputs) -> None:
             )
 
 
-def compress(entries, layout: PayloadLayout, inputs, states, stacks, scales):
+def compress(entries, layout: PayloadLayout, inputs, states, stacks, scales, feedback="sent"):
     """Stages 1-4 for every segment, without touching the state.
 
     ``entries``: (group, parameter) pairs; ``inputs``: each one's momentum input (None: zeros);
     ``states``: each one's state dict (``momentum_state``); ``stacks``: the ``MomentumStacks``;
-    ``scales``: each group's input scale s, by ``id(group)``. Returns (parts, new momenta): per
+    ``scales``: each group's input scale s, by ``id(group)``; ``feedback``: what stage 4 subtracts
+    (``FEEDBACKS`` in ``settings.py``: "sent", the values as the receivers dequantize them, or
+    "kept", the top-k values before quantization). Returns (parts, new momenta): per
     segment (indices, value bytes) to pack, and per parameter its new momentum (views of the stack
     buffer), or (None, None) when this worker must contribute nothing this step.
 
@@ -109,7 +112,7 @@ def compress(entries, layout: PayloadLayout, inputs, states, stacks, scales):
             )
         idx, kept, subtract = stacks.select(layout, j, seg, new, peaks if filled else None)  # 2.
         vbytes, sent = value_codec(seg.bits).quantize(kept)  # 3. sent: the values as unpacked
-        subtract(sent)  # 4. error feedback: the momentum keeps what was not sent
+        subtract(kept if feedback == "kept" else sent)  # 4. error feedback: the momentum keeps the rest
         sents.append(sent)
         parts.append((idx, vbytes))
         with torch.inference_mode(False):  # the new state: views of the stack, copies where dtypes mix

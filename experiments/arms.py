@@ -38,6 +38,7 @@ ALIASES = {
     "decay": "compression_decay",
     "wd": "weight_decay",
     "H": "sync_every",
+    "feedback": "error_feedback",
     **PEER_ALIASES,
 }
 KINDS = ("adamw", "distro", "demo", "diloco", *PEER_KINDS)

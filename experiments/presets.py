@@ -55,6 +55,9 @@ class Preset:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # clip the gradient each optimizer steps on to this global norm (0: off): the averaged one for
+    # AdamW and powersgd, each worker's own before it is compressed for distro, demo and demo-peer
+    grad_clip: float = 0.0
     seeds: str = "0"  # comma-separated; each arm runs once per seed from that seed's initialization
     # "lr=0.5x,1x,2x,4x" (and ";outer_lr=..."): every arm at every point, compared best vs best
     # (experiments.sweep); "" runs each arm once as written
@@ -121,6 +124,8 @@ class Preset:
             raise ValueError(
                 f"Invalid warmup_steps: {self.warmup_steps} (expected 0 <= warmup_steps < steps)"
             )
+        if not 0.0 <= self.grad_clip < float("inf"):
+            raise ValueError(f"Invalid grad_clip: {self.grad_clip} (expected 0 (off) or a positive norm)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"Invalid min_lr_ratio: {self.min_lr_ratio}")
         check_sharding(self.sharding)

@@ -31,9 +31,10 @@ from .data import CorpusError, check_corpus_fits, load_corpus
 from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
 from .peer_arms import peer_start_error
+from .coordination import LossTable, StopSignal
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
 from .sweep import expand, parse_sweep
-from .train import COUNTERS, Job, LossTable, StopSignal, check_resumable, run_worker
+from .train import COUNTERS, Job, check_resumable, run_worker
 
 EXIT_INTERRUPTED = 130
 _NOT_IDENTITY = ("torch_threads", "timeout_s")  # how a run executes, not what it measures

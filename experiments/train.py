@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,63 +33,6 @@ def lr_factor(step: int, steps: int, warmup_steps: int, min_lr_ratio: float) -> 
         return step / max(1, warmup_steps)
     progress = (step - warmup_steps) / max(1, steps - warmup_steps)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-class StopSignal:
-    """Ctrl-C / SIGTERM for in-process workers, turned into one step at which every worker stops.
-
-    Workers are at most one step apart (every step ends in a collective), so the first worker to
-    see the request fixes ``stop_at = its step + 1``; every worker then stops at that same step and
-    nobody is left waiting in a collective.
-    """
-
-    def __init__(self):
-        self._requested = threading.Event()
-        self._lock = threading.Lock()
-        self.stop_at: int | None = None
-
-    def request(self, *_args) -> None:
-        self._requested.set()
-
-    @property
-    def requested(self) -> bool:
-        return self._requested.is_set()
-
-    def should_stop(self, step: int) -> bool:
-        with self._lock:
-            if self.stop_at is None and self._requested.is_set():
-                self.stop_at = step + 1
-            return self.stop_at is not None and step >= self.stop_at
-
-
-class LossTable:
-    """Mean train loss over in-process workers. Every worker puts its loss, then every worker asks for
-    the mean (waiting, bounded, for the slower ones: in overlap mode a step's collective completes
-    only during the next step); a step's row is dropped once every worker has read it."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self._losses: dict[int, dict[int, float]] = {}
-        self._reads: dict[int, int] = {}
-        self._cond = threading.Condition()
-
-    def put(self, step: int, rank: int, loss: float) -> None:
-        with self._cond:
-            self._losses.setdefault(step, {})[rank] = loss
-            self._cond.notify_all()
-
-    def mean(self, step: int, world_size: int) -> float:
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self._losses.get(step, {})) == world_size, self.timeout_s):
-                missing = sorted(set(range(world_size)) - set(self._losses.get(step, {})))
-                raise RuntimeError(
-                    f"train losses of step {step} missing for ranks {missing} after {self.timeout_s} s"
-                )
-            row = self._losses[step]
-            self._reads[step] = self._reads.get(step, 0) + 1
-            if self._reads[step] == world_size:
-                del self._losses[step], self._reads[step]
-        return sum(row[r] for r in range(world_size)) / world_size
 
 
 @dataclass
@@ -147,6 +89,13 @@ def _all_reduce_gradients(model, backend) -> float:
         g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
     return comm_s
+
+
+def clip_gradients(model, max_norm: float) -> None:
+    """``clip_grad_norm_`` over the model's gradients (a no-op at ``max_norm`` 0). Psyche clips
+    before compressing; torch's DDP users clip the averaged gradient: each arm gets the one it steps on."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], max_norm)
 
 
 COUNTERS = ("sent", "received", "collectives", "check_sent", "check_received", "checks")
@@ -269,8 +218,10 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
             t0 = time.perf_counter()
             comm_s = _all_reduce_gradients(model, backend)
             codec_s = time.perf_counter() - t0 - comm_s
+            clip_gradients(model, p.grad_clip)
             opt.step()
         else:
+            clip_gradients(model, p.grad_clip)  # this worker's own gradient, before it is compressed
             opt.step()
             codec_s, comm_s = opt.last_step_timing["codec_s"], opt.last_step_timing["comm_s"]
         opt.zero_grad(set_to_none=True)

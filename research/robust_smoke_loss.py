@@ -18,7 +18,8 @@ from distro_opt.experiments.arms import parse_arms
 from distro_opt.experiments.data import load_corpus
 from distro_opt.experiments.metrics import MetricsSink
 from distro_opt.experiments.presets import get_preset
-from distro_opt.experiments.train import Job, LossTable, run_worker
+from distro_opt.experiments.coordination import LossTable
+from distro_opt.experiments.train import Job, run_worker
 
 STEPS, SEED = 100, 0
 

@@ -30,6 +30,54 @@ def test_error_feedback_buffer_is_the_dct_of_the_gradient_minus_what_was_sent_in
             np.testing.assert_allclose(delta[sl].numpy(), coeffs, atol=1e-5)
 
 
+def _dct_blocks_with_top_k(g, chunk, k):
+    """scipy's orthonormal DCT of every chunk of ``g`` (1-D or 2-D), and each chunk's top-k positions:
+    [(block slice, coefficients, flat top-k indices)]."""
+    import numpy as np
+    import scipy.fft
+
+    blocks = []
+    starts = [range(0, n, c) for n, c in zip(g.shape, chunk)]
+    for corner in (np.array(np.meshgrid(*starts, indexing="ij")).reshape(len(chunk), -1).T):
+        sl = tuple(slice(a, a + c) for a, c in zip(corner, chunk))
+        coeffs = scipy.fft.dctn(g[sl], norm="ortho")
+        blocks.append((sl, coeffs, np.argsort(-np.abs(coeffs).reshape(-1))[:k]))
+    return blocks
+
+
+# shapes that reach the three ways top-k reads the momentum: runs along the last axis, chunk-major
+# rows (1-D), and a chunk too narrow for runs (copied to rows and back)
+@pytest.mark.parametrize("shape", [(128, 192), (4096,), (40, 12)])
+@pytest.mark.parametrize("feedback", ["kept", "sent"])
+def test_error_feedback_subtracts_the_kept_values_or_what_the_receivers_dequantize(shape, feedback):
+    """1-bit values, first step. ``error_feedback="kept"``: Delta = DCT(g) with each chunk's top-k
+    zeroed, as with exact values. ``"sent"``: at the top-k, Delta = c - sign(c) * mean|top-k of the
+    chunk| (the 1-bit codec's scale, rounded to bf16); elsewhere DCT(g) in both. Checked against scipy."""
+    import numpy as np
+
+    from distro_opt.dct import chunk_shape
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = torch.randn(shape)
+    opt = DisTrOAdamW([p], lr=0.01, compression_topk=4, compression_bits=1, error_feedback=feedback)
+    opt.step()
+    delta = opt.state[p]["delta"].double().numpy()
+    for sl, coeffs, top in _dct_blocks_with_top_k(p.grad.double().numpy(), chunk_shape(shape, 64), 4):
+        expected = coeffs.copy().reshape(-1)
+        if feedback == "kept":
+            expected[top] = 0.0
+        else:
+            scale = float(torch.tensor(np.abs(expected[top]).mean()).to(torch.bfloat16))
+            expected[top] -= np.sign(expected[top]) * scale
+        np.testing.assert_allclose(delta[sl].reshape(-1), expected, atol=1e-5)
+
+
+def test_invalid_error_feedback_is_refused_by_name():
+    with pytest.raises(ValueError, match="Invalid error_feedback: 'quantized'"):
+        DisTrOAdamW([torch.nn.Parameter(torch.zeros(2))], error_feedback="quantized")
+
+
 @pytest.mark.parametrize("steps_before", [1, 2])
 def test_unfreezing_a_parameter_leaves_the_others_momentum_intact(steps_before):
     """A frozen matrix unfrozen after some steps changes the payload's segments: the new segment

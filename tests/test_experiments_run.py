@@ -99,6 +99,8 @@ def test_help_gives_each_presets_value_rather_than_the_smokes_as_every_default(c
     (("--device", "foo"), "Invalid device 'foo'"),
     (("--device", "meta"), "Invalid device 'meta'"),
     (("--torch-threads", "-1"), "Invalid torch_threads: -1"),
+    (("--grad-clip", "-1"), "Invalid grad_clip: -1.0"),
+    (("--grad-clip", "nan"), "Invalid grad_clip: nan"),
     (("--seq-len", "10000"), "Validation split of"),
     (("--workers", "3000"), "Corpus too small: a shard of 26 tokens"),
     (("--arms", "adamw,distro:overlap=maybe"), "Invalid value 'maybe' for option 'overlap'"),
@@ -289,6 +291,19 @@ def test_same_seed_gives_the_same_metrics(corpus, straight, tmp_path):
     assert comparable(read_metrics(tmp_path / "again" / "metrics.jsonl")) == comparable(
         read_metrics(straight / "metrics.jsonl")
     )
+
+
+def test_grad_clip_changes_both_arms_only_where_it_binds(corpus, straight, tmp_path):
+    """A norm no gradient reaches leaves every arm's run bit for bit as without clipping; a small
+    one changes both AdamW (its averaged gradient) and distro (each worker's own)."""
+    straight_rows = comparable(read_metrics(straight / "metrics.jsonl"))
+    assert run.main(tiny_args(corpus, tmp_path / "loose", steps=40, extra=("--grad-clip", "1e9"))) == 0
+    assert comparable(read_metrics(tmp_path / "loose" / "metrics.jsonl")) == straight_rows
+    assert run.main(tiny_args(corpus, tmp_path / "tight", steps=40, extra=("--grad-clip", "0.05"))) == 0
+    tight = json.loads((tmp_path / "tight" / "summary.json").read_text())["arms"]
+    loose = json.loads((straight / "summary.json").read_text())["arms"]
+    for arm in ("adamw", "distro"):
+        assert tight[arm]["final_val_loss_mean"] != loose[arm]["final_val_loss_mean"]
 
 
 def test_both_arms_learn_on_the_tiny_corpus(straight):
