@@ -8,6 +8,7 @@ from .wire import PayloadLayout, param_spec
 from .demo import DeMo
 from .values import PayloadError
 from .transform import DCTTransform
+from .warmup import CompressionWarmup
 
-__all__ = ["DisTrOAdamW", "DeMo", "DCTTransform", "PayloadLayout", "PayloadError", "param_spec"]
+__all__ = ["DisTrOAdamW", "DeMo", "CompressionWarmup", "DCTTransform", "PayloadLayout", "PayloadError", "param_spec"]
 __version__ = "0.1.0"

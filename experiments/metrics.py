@@ -155,7 +155,8 @@ def job_summary(rows: list[dict], result: dict) -> dict:
     per_collective = expected_bytes_per_collective(result["kind"], result["payload_nbytes"], world)
     # an arm whose collectives differ in size (powersgd) states its own total, from the model's shapes
     expected_total = result.get("expected_sent_bytes", per_collective * rows[-1]["collectives"])
-    message_per_step = result["payload_nbytes"] * rows[-1]["collectives"] / steps
+    # a compression warm-up's payload changes size: its worker added the sizes up step by step
+    message_per_step = result.get("message_bytes", result["payload_nbytes"] * rows[-1]["collectives"]) / steps
     check_bytes = CommStats.all_gather_bytes(CHECKSUM_NBYTES, world)
     val = [r for r in rows if r["val_loss"] is not None]
     steps_rows = [r for r in rows if r["step"] > 0]

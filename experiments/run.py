@@ -224,7 +224,8 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
         "world_size": first["world_size"],  # the workers (replicas) exchanging payloads
         "payload_nbytes": first["payload_nbytes"],
         "n_params": first["n_params"],
-        **({"expected_sent_bytes": first["expected_sent_bytes"]} if "expected_sent_bytes" in first else {}),
+        # arms whose payload size changes (a compression warm-up) or whose collectives differ (powersgd)
+        **{k: first[k] for k in ("expected_sent_bytes", "message_bytes") if k in first},
         "workers": [
             {k: w[k] for k in ("rank", *COUNTERS, "wall_s")} for w in workers
         ],

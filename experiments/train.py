@@ -19,7 +19,7 @@ import torch
 from distro_opt.comm import CommStats, SingleWorkerBackend
 from distro_opt.shards import local
 
-from .arms import Arm, build_optimizer, optimizer_kwargs
+from .arms import Arm, build_optimizer, compression_warmup, optimizer_kwargs
 from .checkpoint import CheckpointStore
 from .data import val_batches, worker_batch
 from .hybrid import shard_model
@@ -98,6 +98,20 @@ def clip_gradients(model, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], max_norm)
 
 
+# A compression warm-up's ledger: the payload bytes this worker contributed, and what the backend
+# must have counted for them, summed step by step (the payload's size changes when the warm-up ends)
+_WARMUP_LEDGER = ("message_bytes", "expected_sent_bytes")
+
+
+def _add_to_warmup_ledger(state: dict, payload_nbytes: int, collectives: int, world: int) -> dict:
+    return {
+        **state,
+        "message_bytes": state["message_bytes"] + payload_nbytes * collectives,
+        "expected_sent_bytes": state["expected_sent_bytes"]
+        + CommStats.all_gather_bytes(payload_nbytes, world) * collectives,
+    }
+
+
 COUNTERS = ("sent", "received", "collectives", "check_sent", "check_received", "checks")
 
 
@@ -162,13 +176,17 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
     if job.arm.kind in PEER_KINDS:  # their own code; the loss goes through their module (DDP)
         opt = build_peer_optimizer(job.arm.kind, model, optimizer_kwargs(job.arm, p), backend)
         forward = opt.forward_module
+        warmup = None
     else:
         opt, forward = build_optimizer(job.arm, model.named_parameters(), p, backend), model
+        warmup = compression_warmup(job.arm, opt)  # before a restore: it keeps the groups' own settings
     base_lrs = [g["lr"] for g in opt.param_groups]
     store = CheckpointStore(job.out, job.arm.slug, job.seed, file_world)
-    state = {"step": 0, **dict.fromkeys(COUNTERS, 0), "wall_s": 0.0}
+    state = {"step": 0, **dict.fromkeys(COUNTERS, 0), "wall_s": 0.0, **dict.fromkeys(_WARMUP_LEDGER, 0)}
     if job.resume and (step := store.latest_step()) > 0:
         state = {**state, **store.restore(step, file_rank, model, opt)}
+    if warmup is not None:
+        warmup.load_state_dict({**warmup.state_dict(), "last_step": state["step"]})
     val = (
         val_batches(job.corpus.val, n_batches=p.eval_batches, batch_size=p.eval_batch_size, seq_len=p.seq_len)
         if rank == 0
@@ -222,8 +240,12 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
             opt.step()
         else:
             clip_gradients(model, p.grad_clip)  # this worker's own gradient, before it is compressed
+            payload_nbytes, collectives = opt.payload_nbytes, _counters(backend, opt)[2]
             opt.step()
             codec_s, comm_s = opt.last_step_timing["codec_s"], opt.last_step_timing["comm_s"]
+            if warmup is not None:  # the payload's size changes: the ledger adds up this step's
+                warmup.step()
+                state = _add_to_warmup_ledger(state, payload_nbytes, _counters(backend, opt)[2] - collectives, world)
         opt.zero_grad(set_to_none=True)
         checkpoint_now = step % p.checkpoint_every == 0 and step < p.steps
         if (checkpoint_now or step == p.steps) and hasattr(opt, "flush"):
@@ -260,8 +282,10 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
         # the optimizer's parameters: FSDP2 leaves the model's root unsharded after a forward pass
         payload = 4 * sum(local(q).numel() for g in opt.param_groups for q in g["params"] if q.requires_grad)
     expected = getattr(opt, "expected_sent_bytes", None)
+    ledger = {k: state[k] for k in _WARMUP_LEDGER} if warmup is not None else {}
     return {
         **({"expected_sent_bytes": expected(state["step"])} if expected is not None else {}),
+        **ledger,
         "rank": file_rank,
         "world_size": world,
         "status": status,

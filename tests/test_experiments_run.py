@@ -414,6 +414,37 @@ def test_demo_and_option_arms_report_their_own_payload(corpus, tmp_path):
     assert demo["bytes_match_formula"] and distro["bytes_match_formula"]
 
 
+def test_compression_warmup_arm_counts_its_larger_first_payloads(corpus, tmp_path):
+    """``warmup_for=3,warmup_topk=16``: 3 steps at the top-16 payload, then the default one; the
+    backend's counters, the ledger and the compression all say so."""
+    out = tmp_path / "warm"
+    arms = "distro,distro:warmup_for=3,warmup_topk=16"
+    assert run.main(tiny_args(corpus, out, steps=8, extra=("--arms", arms))) == 0
+    summary = json.loads((out / "summary.json").read_text())["arms"]
+    plain, warm = summary["distro"], summary["distro:warmup_for=3,warmup_topk=16"]
+    cfg = type(get_preset("smoke").model_config())(vocab_size=256, n_layers=1, d_model=32, n_heads=2, d_ff=64,
+                                                   max_seq_len=32)
+    top16 = DisTrOAdamW(build_model(cfg, seed=0).parameters(), compression_topk=16).payload_nbytes
+    assert warm["payload_nbytes"] == plain["payload_nbytes"] < top16
+    per_step = (3 * top16 + 5 * plain["payload_nbytes"]) / 8
+    assert warm["sent_bytes_per_step"] == (3 * CommStats.all_gather_bytes(top16, 2)
+                                           + 5 * CommStats.all_gather_bytes(plain["payload_nbytes"], 2)) / 8
+    assert warm["bytes_match_formula"] is True
+    assert warm["compression_vs_dense_bf16"] == pytest.approx(plain["compression_vs_dense_bf16"]
+                                                             * plain["payload_nbytes"] / per_step)
+
+
+@pytest.mark.parametrize("arms, message", [
+    ("distro:warmup_topk=16", "warmup_topk and warmup_bits need warmup_for"),
+    ("distro:warmup_for=-2,warmup_topk=16", "Invalid warm-up steps: -2"),
+    ("adamw:warmup_for=2", "Unknown option 'warmup_for' for arm 'adamw'"),
+])
+def test_bad_compression_warmup_arm_is_refused_in_one_line(corpus, tmp_path, capsys, arms, message):
+    assert run.main(tiny_args(corpus, tmp_path / "x", extra=("--arms", arms))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
 def test_a_bad_arm_is_reported_before_the_presets_own_settings(tmp_path, capsys):
     # --steps 2 also leaves the preset's warm-up (30 steps) invalid: the arm the user typed comes first
     assert run.main(["--steps", "2", "--arms", "bogus", "--out", str(tmp_path / "x")]) == 2
