@@ -84,6 +84,13 @@ def _optimizer_class(kind: str):
     return {"adamw": torch.optim.AdamW, "distro": DisTrOAdamW, "demo": DeMo, "diloco": DisTrOAdamW}[kind]
 
 
+def option_default(arm: Arm, name: str):
+    """The value an arm runs with when it does not set ``name``: diloco's recipe, else the optimizer's."""
+    if arm.kind == "diloco" and name in DILOCO_SETTINGS:
+        return DILOCO_SETTINGS[name]
+    return inspect.signature(_optimizer_class(arm.kind).__init__).parameters[name].default
+
+
 def _allowed_options(kind: str) -> set[str]:
     if kind in PEER_KINDS:
         return peer_allowed_options(kind)

@@ -17,12 +17,11 @@ sits on the edge of the grid (the grid should then be widened).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import re
 import statistics
 
-from .arms import DILOCO_SETTINGS, Arm, _optimizer_class, check_distinct_files
+from .arms import Arm, check_distinct_files, option_default
 
 SWEEP_KEYS = ("lr", "outer_lr")
 _POINT = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?x?$", re.IGNORECASE)
@@ -63,15 +62,8 @@ def parse_sweep(text: str) -> dict[str, list[GridValue]]:
     return grid
 
 
-def _default(arm: Arm, name: str):
-    """The value an arm runs with when it does not set ``name``: diloco's recipe, else the optimizer's."""
-    if arm.kind == "diloco" and name in DILOCO_SETTINGS:
-        return DILOCO_SETTINGS[name]
-    return inspect.signature(_optimizer_class(arm.kind).__init__).parameters[name].default
-
-
 def has_outer_step(arm: Arm) -> bool:
-    return arm.kind in ("distro", "diloco") and int(arm.options.get("sync_every", _default(arm, "sync_every"))) > 1
+    return arm.kind in ("distro", "diloco") and int(arm.options.get("sync_every", option_default(arm, "sync_every"))) > 1
 
 
 def _point_options(arm: Arm, point: dict[str, GridValue], preset_lr: float) -> dict:
@@ -83,7 +75,7 @@ def _point_options(arm: Arm, point: dict[str, GridValue], preset_lr: float) -> d
         for key in [k for k in options if k.endswith(".lr")]:
             options[key] = options[key] * new / base
     if "outer_lr" in point:
-        options["outer_lr"] = point["outer_lr"].apply(float(options.get("outer_lr", _default(arm, "outer_lr"))))
+        options["outer_lr"] = point["outer_lr"].apply(float(options.get("outer_lr", option_default(arm, "outer_lr"))))
     return options
 
 
