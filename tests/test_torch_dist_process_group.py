@@ -39,9 +39,9 @@ def test_rendezvous_file_of_a_killed_job_is_refused_on_every_rank_instead_of_han
     assert codes == [-signal.SIGKILL] * 2, read_logs(tmp_path, 2)
     stale = tmp_path / "rendezvous"
     assert stale.exists()  # a killed rank cannot delete it
-    t0 = time.monotonic()
-    results, codes = launch([["raw", "raw", []]], 2, tmp_path, timeout_s=20)  # the same file
-    assert time.monotonic() - t0 < 15
+    # the same file. Refused by its records, at once: a rank that waited instead would reach the
+    # launch's bound and be killed, or time out with another error, not this one
+    results, codes = launch([["raw", "raw", []]], 2, tmp_path, timeout_s=60)
     assert codes == [3, 3], read_logs(tmp_path, 2)
     for res in results:
         assert res["start"]["error_type"] == "RendezvousError"
