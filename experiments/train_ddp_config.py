@@ -34,7 +34,7 @@ HELP = {
     "save_dir": "write DIR/rank{r}.pt at the end; DIR must hold no checkpoint (none is overwritten)",
     "resume_dir": "start from the checkpoints in DIR, saved by any world size (save to another DIR)",
     "log": "rank 0 prints one line per step",
-    "shard_degree": "ranks per replica, its layers sharded over them with FSDP2 (world size % S == 0)",
+    "shard_degree": "ranks per replica, its layers sharded over them with FSDP2 (the world size a multiple of S)",
 }
 DTYPES = ("float32", "bfloat16")
 
