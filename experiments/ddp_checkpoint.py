@@ -3,13 +3,14 @@ that a single save wrote (on any world size)."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import secrets
 import warnings
 from pathlib import Path
 
 import torch
+
+from .sharded_checkpoint import checksum
 
 try:
     import fcntl
@@ -185,11 +186,3 @@ def check_checkpoint_set(directory: str) -> int:
         raise ValueError(f"Checkpoint files in {directory!r} are not from one save: {seen}; "
                          "resume from a directory that a single save wrote")
     return saved_ws
-
-
-def checksum(params: dict) -> str:
-    """A short digest of the exact parameter bits, to compare ranks by eye."""
-    digest = hashlib.sha256()
-    for v in params.values():
-        digest.update(v.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]

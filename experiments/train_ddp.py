@@ -44,12 +44,13 @@ from distro_opt.cli_args import fail
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
 from distro_opt.shards import is_sharded
 from distro_opt.experiments.ddp_checkpoint import (
-    check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
+    check_checkpoint_set, check_save_dir, load_checkpoint, save_checkpoint,
 )
 from distro_opt.experiments.hybrid import check_shard_degree, hybrid_mesh, shard_model
 from distro_opt.experiments.process_group import (
     EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, single_process_group, start_process_group,
 )
+from distro_opt.experiments.sharded_checkpoint import checksum
 from distro_opt.experiments.train_ddp_config import TrainConfig
 
 
