@@ -15,7 +15,9 @@ the ranks would not train the same model, every rank stops with the same one-lin
 
 With --shard-degree S (a hybrid run, ``experiments/hybrid.py``) each S consecutive ranks hold one
 replica, its layers sharded over them with FSDP2, and train on the same batches; DisTrOAdamW talks
-over the replicate group only, and the bytes printed are that group's.
+over the replicate group only, and the bytes printed are that group's. Such a run saves and resumes
+through torch.distributed.checkpoint (``ddp_checkpoint.save_sharded_checkpoint``), on the world size
+and shard degree that saved it.
 
 Without torchrun's environment the script runs as a world of one (its Gloo socket on 127.0.0.1).
 
@@ -44,13 +46,13 @@ from distro_opt.cli_args import fail
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
 from distro_opt.shards import is_sharded
 from distro_opt.experiments.ddp_checkpoint import (
-    check_checkpoint_set, check_save_dir, load_checkpoint, save_checkpoint,
+    check_checkpoint_set, check_save_dir, load_checkpoint, save_checkpoint, save_sharded_checkpoint,
 )
 from distro_opt.experiments.hybrid import check_shard_degree, hybrid_mesh, shard_model
 from distro_opt.experiments.process_group import (
     EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, single_process_group, start_process_group,
 )
-from distro_opt.experiments.sharded_checkpoint import checksum
+from distro_opt.experiments.sharded_checkpoint import check_layout, checksum
 from distro_opt.experiments.train_ddp_config import TrainConfig
 
 
@@ -96,26 +98,30 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None, hybrid=None) -> dict:
     """Train on ``comm`` (any distro_opt Backend); return losses, timings, bytes and final parameters.
     ``on_start(model)`` runs once the starting parameters are in place, before the first step.
     ``hybrid`` (``hybrid.HybridMesh``): the layers are then sharded over its shard dimension, and
-    ``comm`` must be its replicate group; the returned parameters are the full (gathered) ones."""
+    ``comm`` must be its replicate group; the returned parameters are the full (gathered) ones, and
+    checkpoints go through torch.distributed.checkpoint, one per run with every rank's shards."""
     rank, device = comm.rank, torch.device(cfg.device)
-    if cfg.save_dir and (cfg.steps > 0 or comm.world_size == 1):
+    # a checkpoint's rank files are the whole world's: in a hybrid run, one per rank of the mesh
+    file_rank, file_world = (hybrid.rank, hybrid.world_size) if hybrid is not None else (rank, comm.world_size)
+    if cfg.save_dir and (cfg.steps > 0 or file_world == 1):
         # Found now, not after the whole run. The first step's collective orders every rank's check
-        # before any rank's save; with no step nothing does (another rank's new file would make this
-        # check refuse), and there is no run to lose: the save itself refuses to overwrite.
+        # before any rank's save (in a hybrid run, the save's own first collective does); with no
+        # step nothing does (another rank's new file would make this check refuse), and there is no
+        # run to lose: the save itself refuses to overwrite.
         check_save_dir(cfg.save_dir)
     model = TinyMLP(cfg)
     init_params(model, cfg.seed)
     model.to(device=device, dtype=getattr(torch, cfg.dtype))
     if hybrid is not None:  # before the optimizer, which must hold the sharded parameters
-        if on_start is not None:  # on the whole model: no checkpoint is loaded (see TrainConfig)
-            on_start(model)
+        if on_start is not None:  # whole tensors, comparable across ranks; a checkpoint loaded next
+            on_start(model)  # is one DCP save, read alike by every rank
         shard_model(model, [m for m in model.layers if isinstance(m, nn.Linear)], hybrid)
     opt = DisTrOAdamW(
         model.parameters(), lr=cfg.lr, compression_topk=cfg.compression_topk,
         compression_chunk=cfg.compression_chunk, compression_bits=cfg.compression_bits,
         comm=comm, overlap=cfg.overlap,
     )
-    start = load_checkpoint(cfg.resume_dir, rank, comm.world_size, model, opt) if cfg.resume_dir else 0
+    start = load_checkpoint(cfg.resume_dir, file_rank, file_world, model, opt) if cfg.resume_dir else 0
     if on_start is not None and hybrid is None:
         on_start(model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.grad_scaler)
@@ -143,7 +149,8 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None, hybrid=None) -> dict:
                 f"| comm {comm_s[-1]:.4f} s | step {step_s[-1]:.4f} s")
     opt.flush()  # overlap mode: apply the last step's update
     if cfg.save_dir:
-        save_checkpoint(cfg.save_dir, rank, comm.world_size, start + cfg.steps, model, opt)
+        save = save_checkpoint if hybrid is None else save_sharded_checkpoint
+        save(cfg.save_dir, file_rank, file_world, start + cfg.steps, model, opt)
     return {
         "losses": losses, "step_s": step_s, "comm_s": comm_s, "eval_loss_start": eval_start,
         "eval_loss": evaluate(model, cfg, device),
@@ -166,6 +173,15 @@ def init_group(cfg: TrainConfig) -> Path | None:
     return None
 
 
+def optimizer_group(cfg: TrainConfig, comm):
+    """(hybrid mesh or None, the backend the optimizer talks over): ``comm`` (the whole world), or in
+    a hybrid run the mesh's replicate group, one rank per replica."""
+    if cfg.shard_degree == 1:
+        return None, comm
+    hybrid = hybrid_mesh(torch.device(cfg.device).type, cfg.shard_degree)
+    return hybrid, TorchDistributedBackend(group=hybrid.replicate_group, timeout_s=cfg.timeout_s)
+
+
 def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
     """This rank's start-up problem, or the ranks' disagreement, exchanged: every rank gets the same
     answer (None: all can start), so that none starts training while another stops."""
@@ -173,9 +189,10 @@ def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
     try:
         if cfg.save_dir:
             check_save_dir(cfg.save_dir)
-        if cfg.resume_dir:
-            check_checkpoint_set(cfg.resume_dir)
         check_shard_degree(world_size, cfg.shard_degree)
+        if cfg.resume_dir:
+            saved = check_checkpoint_set(cfg.resume_dir)
+            check_layout(f"--resume-dir {cfg.resume_dir}", saved, (world_size, cfg.shard_degree))
     except (OSError, ValueError) as exc:
         problem = f"rank {rank}: {exc}"
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RANK}
@@ -232,10 +249,7 @@ def _main(cfg: TrainConfig) -> tuple[int, bool]:
         problem = start_checks(cfg, comm.rank, comm.world_size)
         if problem is None:
             log = (lambda line: print(line, flush=True)) if cfg.log and comm.rank == 0 else None
-            hybrid, replicas = None, comm
-            if cfg.shard_degree > 1:  # the optimizer's group: one rank per replica
-                hybrid = hybrid_mesh(torch.device(cfg.device).type, cfg.shard_degree)
-                replicas = TorchDistributedBackend(group=hybrid.replicate_group, timeout_s=cfg.timeout_s)
+            hybrid, replicas = optimizer_group(cfg, comm)
             result = train(cfg, replicas, log=log, on_start=check_same_start, hybrid=hybrid)
     except ValueError as exc:  # check_same_start, a payload mismatch: raised alike on every rank
         problem = str(exc)

@@ -31,8 +31,10 @@ HELP = {
     "inject_inf": "RANK:STEP: that rank's loss is inf at that step (shows GradScaler's skipped step)",
     "device": "cpu (Gloo) or cuda (NCCL)",
     "timeout_s": "process-group timeout and bound on each wait for a collective, in seconds",
-    "save_dir": "write DIR/rank{r}.pt at the end; DIR must hold no checkpoint (none is overwritten)",
-    "resume_dir": "start from the checkpoints in DIR, saved by any world size (save to another DIR)",
+    "save_dir": "write DIR/rank{r}.pt at the end (with --shard-degree, beside the model in DCP's format); "
+                "DIR must hold no checkpoint (none is overwritten)",
+    "resume_dir": "start from the checkpoints in DIR, saved by any world size, or by this world size and "
+                  "shard degree if sharded (save to another DIR)",
     "log": "rank 0 prints one line per step",
     "shard_degree": "ranks per replica, its layers sharded over them with FSDP2 (the world size a multiple of S)",
 }
@@ -76,9 +78,6 @@ class TrainConfig:
             raise ValueError(f"Invalid inject_inf: {self.inject_inf!r} (expected RANK:STEP)")
         if not self.shard_degree >= 1:
             raise ValueError(f"Invalid shard_degree: {self.shard_degree} (expected >= 1)")
-        if self.shard_degree > 1 and (self.save_dir or self.resume_dir):
-            raise ValueError("--save-dir and --resume-dir are not supported with --shard-degree > 1 "
-                             "(sharded checkpoints are not written here)")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"Invalid timeout_s: {self.timeout_s} (expected seconds > 0)")
         if self.device != "cpu" and not self.device.startswith("cuda"):

@@ -125,10 +125,13 @@ def scenario_killed(rank, world_size, args):
 
 
 def scenario_train(rank, world_size, args):
-    """Train with DisTrOAdamW over Gloo; the test compares with the in-process simulation."""
-    from distro_opt.experiments.train_ddp import TrainConfig, train
+    """Train with DisTrOAdamW over Gloo (with --shard-degree, a hybrid run, wired as the script wires
+    it); the test compares with the in-process simulation, or another run."""
+    from distro_opt.experiments.train_ddp import TrainConfig, optimizer_group, train
 
-    return train(TrainConfig.from_args(args), TorchDistributedBackend(timeout_s=30))
+    cfg = TrainConfig.from_args(args)
+    hybrid, replicas = optimizer_group(cfg, TorchDistributedBackend(timeout_s=30))
+    return train(cfg, replicas, hybrid=hybrid)
 
 
 def scenario_mismatch(rank, world_size, args):

@@ -23,11 +23,12 @@ from distro_opt.experiments.model import parameter_shapes
 from distro_opt.experiments import run
 from distro_opt.experiments.presets import get_preset
 from distro_opt.experiments.process_group import one_machine_env
-from distro_opt.experiments.train_ddp import TrainConfig
+from distro_opt.experiments.sharded_checkpoint import checksum
 from distro_opt.wire import PayloadLayout, param_spec
 
 from _models import TINY_TRANSFORMER_FLAGS
 from _procs import wait_all
+from test_torch_backend import expect_success, launch as launch_scenarios
 
 STEPS = 4
 TOPK, CHUNK = 4, 16
@@ -185,15 +186,39 @@ def _closing_lines(results):
     return lines
 
 
-def test_train_ddp_hybrid_takes_the_unsharded_runs_steps_on_local_shards(tmp_path):
-    hybrid = _closing_lines(launch(tmp_path, [*DDP_ARGS, "--shard-degree", "2"], 4, 90, "train_ddp"))
+@pytest.fixture(scope="module")
+def ddp_hybrid(tmp_path_factory):
+    """train_ddp on a 2 x 2 mesh, in one process group: 4 steps uninterrupted, then 2 steps saved to
+    a --save-dir and 2 more resumed from it. Returns ({job: each rank's result}, the --save-dir)."""
+    tmp = tmp_path_factory.mktemp("ddp_hybrid")
+    hybrid, saved = [*DDP_ARGS, "--shard-degree", "2"], str(tmp / "saved")
+    jobs = [["whole", "train", hybrid], ["saved", "train", [*hybrid, "--steps", "2", "--save-dir", saved]],
+            ["resumed", "train", [*hybrid, "--steps", "2", "--resume-dir", saved]]]
+    results, codes = launch_scenarios(jobs, 4, tmp, timeout_s=120)
+    expect_success(results, codes, tmp)
+    return {name: [r[name] for r in results] for name, _, _ in jobs}, tmp / "saved"
+
+
+def test_train_ddp_hybrid_takes_the_unsharded_runs_steps_on_local_shards(tmp_path, ddp_hybrid):
+    hybrid = ddp_hybrid[0]["whole"]
     plain = _closing_lines(launch(tmp_path, DDP_ARGS, 2, 60, "train_ddp"))
-    assert len({(r["params"], r["eval"]) for r in hybrid}) == 1  # every rank: the same full model
-    assert float(hybrid[0]["eval"].split()[1]) == pytest.approx(float(plain[0]["eval"].split()[1]), rel=LOSS_RTOL)
+    assert len({(checksum(r["params"]), r["eval_loss"]) for r in hybrid}) == 1  # every rank: the same full model
+    assert hybrid[0]["eval_loss"] == pytest.approx(float(plain[0]["eval"].split()[1]), rel=LOSS_RTOL)
     shapes = [(32, 16), (32,), (32, 64), (32,), (4, 64), (4,)]  # TinyMLP's shards over 2 ranks
     layout = PayloadLayout([param_spec(s, 2, 4, 1) for s in shapes])
-    assert hybrid[0]["payload"] == f"{layout.nbytes} B/step"
+    assert hybrid[0]["payload_nbytes"] == layout.nbytes
     assert int(plain[0]["payload"].split()[0]) > layout.nbytes
+
+
+def test_train_ddp_hybrid_saves_through_dcp_and_resumes_bit_identically(ddp_hybrid):
+    runs, saved = ddp_hybrid
+    assert sorted(p.name for p in saved.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(4)]
+    (folder,) = saved.glob("sharded-*")  # DCP's: one data file per rank, its index written last
+    assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 4
+    for whole, first, resumed in zip(runs["whole"], runs["saved"], runs["resumed"]):
+        assert first["losses"] + resumed["losses"] == whole["losses"]
+        assert resumed["eval_loss"] == whole["eval_loss"]
+        assert all(torch.equal(resumed["params"][k], whole["params"][k]) for k in whole["params"])
 
 
 def test_train_ddp_shard_degree_that_does_not_divide_the_world_is_one_line(tmp_path):
@@ -201,8 +226,10 @@ def test_train_ddp_shard_degree_that_does_not_divide_the_world_is_one_line(tmp_p
     one_line_error_on_every_rank(results, "Invalid shard_degree: 2 does not divide the world size 1")
 
 
-def test_train_ddp_refuses_checkpoints_with_a_shard_degree(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        TrainConfig.from_args(["--shard-degree", "2", "--save-dir", "somewhere"])
-    assert exit_info.value.code == 2
-    assert "--save-dir and --resume-dir are not supported with --shard-degree > 1" in capsys.readouterr().err
+def test_train_ddp_refuses_a_sharded_checkpoint_on_another_layout_naming_both(tmp_path, ddp_hybrid):
+    _, saved = ddp_hybrid
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in saved.rglob("*"))
+    results = launch(tmp_path, [*DDP_ARGS, "--resume-dir", saved], 1, 60, "train_ddp")
+    one_line_error_on_every_rank(results, f"--resume-dir {saved} was saved by 4 ranks at shard degree 2, "
+                                          "this run has 1 rank at shard degree 1")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in saved.rglob("*")) == before
