@@ -1,15 +1,21 @@
 """train_ddp's checkpoints: one file per rank, written whole or not at all, and resumed only as a set
-that a single save wrote (on any world size)."""
+that a single save wrote (on any world size). A hybrid run's rank files hold its step and layout,
+and name the folder beside them where torch.distributed.checkpoint wrote the model and optimizer
+(``sharded_checkpoint.py``); such a set resumes on the world size and shard degree that saved it."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import secrets
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from .sharded_checkpoint import (
+    METADATA_NAME, check_layout, checksum, load_sharded, save_sharded, shard_degree_of,
+)
 
 try:
     import fcntl
@@ -50,10 +56,26 @@ def check_save_dir(directory: str) -> None:
 
 def save_checkpoint(directory: str, rank: int, world_size: int, step: int, model, opt) -> Path:
     """Write ``directory/rank{rank}.pt``, whole or not at all; refuse to overwrite an existing one."""
-    path = Path(directory) / f"rank{rank}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
              "world_size": world_size, "step": step}
+    return _write_rank_file(directory, rank, state)
+
+
+def save_sharded_checkpoint(directory: str, rank: int, world_size: int, step: int, model, opt) -> Path:
+    """A hybrid run's save, on every rank at once: the model and optimizer through DCP into a new
+    folder ``directory/sharded-{random}`` (rank 0 names it: no other save writes there), then each
+    rank's ``rank{rank}.pt`` naming it, with the step and layout. DCP returns once its index is
+    written, so a save cut short leaves no rank file: no checkpoint, only a folder nothing names."""
+    folder = [f"sharded-{secrets.token_hex(8)}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    save_sharded(Path(directory) / folder[0], model, opt)
+    state = {"sharded": folder[0], "shard_degree": shard_degree_of(model), "world_size": world_size, "step": step}
+    return _write_rank_file(directory, rank, state)
+
+
+def _write_rank_file(directory: str, rank: int, state: dict) -> Path:
+    path = Path(directory) / f"rank{rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     part, f = _part_file(path.parent, f".{path.name}")  # not rank*.pt: never read as one
     try:
         with f:
@@ -147,10 +169,17 @@ def load_checkpoint(directory: str, rank: int, world_size: int, model, opt) -> i
     file; a new rank takes rank 0's file with ``delta`` zeroed (it has sent nothing; copying rank 0's
     residual would send it twice). When shrinking, the residuals of the removed ranks are dropped
     (a warning says so): a small loss of not-yet-sent momentum, not an inconsistency.
+
+    A sharded set (``save_sharded_checkpoint``) loads on every rank together, into a model sharded
+    as the saving one was: the same world size and shard degree, else a one-line ``ValueError``.
     """
-    saved_ws = check_checkpoint_set(directory)
+    saved_ws, saved_degree = check_checkpoint_set(directory)
+    check_layout(f"checkpoint {directory!r}", (saved_ws, saved_degree), (world_size, shard_degree_of(model)))
     own = Path(directory) / f"rank{rank if rank < saved_ws else 0}.pt"
     state = torch.load(own, map_location="cpu", weights_only=False)
+    if "sharded" in state:
+        load_sharded(Path(directory) / state["sharded"], model, opt)
+        return state["step"]
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     if rank >= saved_ws:
@@ -163,10 +192,11 @@ def load_checkpoint(directory: str, rank: int, world_size: int, model, opt) -> i
     return state["step"]
 
 
-def check_checkpoint_set(directory: str) -> int:
-    """The world size that saved ``directory``, after checking that its rank files are one save's:
-    the same step, world size and parameters (every saving rank holds the same parameters), and
-    one file per rank. Rank files of different saves would make the ranks diverge silently."""
+def check_checkpoint_set(directory: str) -> tuple[int, int]:
+    """The (world size, shard degree) that saved ``directory``, after checking that its rank files
+    are one save's: the same step, world size and parameters (every saving rank holds the same
+    parameters; a sharded save's files name the same DCP folder, whose index is there), and one
+    file per rank. Rank files of different saves would make the ranks diverge silently."""
     files = sorted(Path(directory).glob("rank*.pt"))
     if not files:
         raise FileNotFoundError(f"No checkpoint files rank*.pt in {directory!r}")
@@ -174,22 +204,20 @@ def check_checkpoint_set(directory: str) -> int:
     for f in files:
         try:
             state = torch.load(f, map_location="cpu", weights_only=False)
-            saves[f.name] = (state["step"], state["world_size"], checksum(state["model"]))
+            saves[f.name] = (state["step"], state["world_size"], state.get("shard_degree", 1),
+                             state.get("sharded") or checksum(state["model"]))
         except Exception as exc:  # noqa: BLE001 - torn or foreign file: torch raises many types
             raise ValueError(f"Checkpoint file {f} cannot be read ({type(exc).__name__}: {exc})") from None
-    saved_ws = saves[files[0].name][1]
+    _, saved_ws, saved_degree, data = saves[files[0].name]
     if len(files) != saved_ws:
         raise ValueError(f"Checkpoint {directory!r} is incomplete: {len(files)} of {saved_ws} rank files")
     if len(set(saves.values())) > 1 or set(saves) != {f"rank{r}.pt" for r in range(saved_ws)}:
-        seen = ", ".join(f"{name} (step {s}, {w} ranks, params {c})" for name, (s, w, c) in saves.items())
+        seen = ", ".join(f"{name} (step {s}, {w} ranks, params {c})" if d == 1 else
+                         f"{name} (step {s}, {w} ranks at shard degree {d}, data {c})"
+                         for name, (s, w, d, c) in saves.items())
         raise ValueError(f"Checkpoint files in {directory!r} are not from one save: {seen}; "
                          "resume from a directory that a single save wrote")
-    return saved_ws
-
-
-def checksum(params: dict) -> str:
-    """A short digest of the exact parameter bits, to compare ranks by eye."""
-    digest = hashlib.sha256()
-    for v in params.values():
-        digest.update(v.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    if saved_degree > 1 and not (Path(directory) / data / METADATA_NAME).is_file():
+        raise ValueError(f"Checkpoint {directory!r} is incomplete: its rank files name {data}, "
+                         f"which holds no {METADATA_NAME}")
+    return saved_ws, saved_degree

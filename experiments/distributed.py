@@ -10,6 +10,8 @@ the same ``CommStats`` as in-process runs. The train loss is averaged with a pla
 ``torch.distributed.all_reduce`` outside the backend: it is bookkeeping, not training traffic.
 With ``--shard-degree S`` (``experiments/hybrid.py``) each S consecutive ranks shard one replica with
 FSDP2 and are one worker; the backend is the mesh's replicate group, and only its bytes are counted.
+Its checkpoints go through torch.distributed.checkpoint (``checkpoint.py``); rank 0 checks their
+files before any arm trains, and every rank loads them together.
 Interrupting a torchrun job kills its ranks; ``--resume`` continues from the last periodic checkpoint.
 A peer that dies or hangs makes each rank print one line and exit with 1 (the group is broken);
 Ctrl-C, one line and 130; a start refused on any rank, the same ``error:`` line on every rank and 2.
@@ -150,11 +152,6 @@ def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, 
 
     def load():
         check_shard_degree(world, preset.shard_degree)
-        if args.resume and preset.shard_degree > 1:
-            raise UsageError(
-                f"--resume with shard_degree {preset.shard_degree} is not supported: the checkpoints "
-                "of a sharded model are not checked and restored yet; start the run over"
-            )
         started["corpus"] = load_corpus(preset.corpus, preset.tokenizer, preset.vocab_size, args.cache)
         check_corpus_fits(started["corpus"], seq_len=preset.seq_len, workers=workers, sharding=preset.sharding)
 

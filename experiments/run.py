@@ -30,9 +30,11 @@ from .cli import add_preset_flags, apply_overrides
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .files import LOCK_NAME, lock_directory, write_atomic
 from .metrics import MetricsSink, load_run, read_metrics, summarize, truncate_metrics, write_summary
+from .model import parameter_shapes
 from .peer_arms import peer_start_error
 from .coordination import LossTable, StopSignal
 from .presets import PRESETS, Preset, get_preset, saved_preset_fields
+from .sharded_checkpoint import layout_text
 from .sweep import expand, parse_sweep
 from .train import COUNTERS, Job, check_resumable, run_worker
 
@@ -138,6 +140,16 @@ def prepare_out_dir(out: Path, config: dict, resume: bool):
     return lock
 
 
+def _layouts(saved: dict, here: dict) -> str:
+    """Where the runs differ in how their ranks are laid out: both layouts (a hybrid run's checkpoints
+    resume only on their own), else nothing."""
+    layout = [(c["workers"] * c["preset"].get("shard_degree", 1), c["preset"].get("shard_degree", 1))
+              for c in (saved, here)]
+    if layout[0] == layout[1]:
+        return ""
+    return f"; it was saved by {layout_text(*layout[0])}, this run has {layout_text(*layout[1])}"
+
+
 def _holds_files(out: Path) -> bool:
     return any(f.name != LOCK_NAME for f in out.iterdir())
 
@@ -155,9 +167,10 @@ def _check_or_start(out: Path, cfg_path: Path, config: dict, resume: bool) -> No
             diff = sorted(
                 k for k in set(a["preset"]) | set(b["preset"]) if a["preset"].get(k) != b["preset"].get(k)
             )
-            diff += [k for k in _CONFIG_KEYS if a[k] != b[k]]
+            diff += [k for k in _CONFIG_KEYS if a[k] != b[k] and k not in diff]  # workers: both places
             raise UsageError(
-                f"{out} holds a different run (differs in: {', '.join(diff)}); choose another --out"
+                f"{out} holds a different run (differs in: {', '.join(diff)}{_layouts(a, b)}); "
+                "choose another --out"
             )
         read_metrics(out / "metrics.jsonl")  # damaged rows: refused now, naming the file, not mid-run
         return
@@ -185,10 +198,18 @@ def finished(out: Path, arm, seed: int) -> bool:
 
 def check_checkpoints(out: Path, preset: Preset, arms, corpus) -> None:
     """--resume: every unfinished job's newest checkpoint set must load (``CheckpointError`` otherwise),
-    checked before the first arm trains, so that a bad file of the last arm is not found hours in."""
+    checked before the first arm trains, so that a bad file of the last arm is not found hours in.
+    A hybrid run's sets are loaded by every rank together, so here (one rank) their files and index
+    are checked instead (``CheckpointStore.check_sharded``)."""
+    shapes = parameter_shapes(preset.model_config(corpus.vocab_size))
     for seed in preset.seed_list():
         for arm in arms:
-            if not finished(out, arm, seed):
+            if finished(out, arm, seed):
+                continue
+            if preset.shard_degree > 1:
+                store = CheckpointStore(out, arm.slug, seed, preset.workers * preset.shard_degree)
+                store.check_sharded(preset.shard_degree, shapes)
+            else:
                 check_resumable(Job.create(arm, seed, preset, corpus, out, resume=True), preset.workers)
 
 

@@ -15,7 +15,9 @@ the ranks would not train the same model, every rank stops with the same one-lin
 
 With --shard-degree S (a hybrid run, ``experiments/hybrid.py``) each S consecutive ranks hold one
 replica, its layers sharded over them with FSDP2, and train on the same batches; DisTrOAdamW talks
-over the replicate group only, and the bytes printed are that group's.
+over the replicate group only, and the bytes printed are that group's. Such a run saves and resumes
+through torch.distributed.checkpoint (``ddp_checkpoint.save_sharded_checkpoint``), on the world size
+and shard degree that saved it.
 
 Without torchrun's environment the script runs as a world of one (its Gloo socket on 127.0.0.1).
 
@@ -26,14 +28,12 @@ exists a rank leaves through process_group.end_process, never the interpreter's 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,111 +42,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from distro_opt import DisTrOAdamW
-from distro_opt.cli_args import Parser, fail
+from distro_opt.cli_args import fail
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
 from distro_opt.shards import is_sharded
 from distro_opt.experiments.ddp_checkpoint import (
-    check_checkpoint_set, check_save_dir, checksum, load_checkpoint, save_checkpoint,
+    check_checkpoint_set, check_save_dir, load_checkpoint, save_checkpoint, save_sharded_checkpoint,
 )
 from distro_opt.experiments.hybrid import check_shard_degree, hybrid_mesh, shard_model
 from distro_opt.experiments.process_group import (
     EXIT_PEER_LOST, RendezvousError, print_one_line, run_rank, single_process_group, start_process_group,
 )
-
-
-HELP = {
-    "steps": "optimizer steps to run",
-    "seed": "seed of the weights and of every rank's data",
-    "batch_size": "samples per rank per step",
-    "in_features": "MLP input width",
-    "hidden": "MLP hidden width (two hidden layers)",
-    "out_features": "MLP output width",
-    "lr": "DisTrOAdamW learning rate (size of the sign step)",
-    "compression_topk": "DCT coefficients sent per chunk",
-    "compression_chunk": "DCT chunk size per dimension",
-    "compression_bits": "bits per sent value",
-    "overlap": "apply each step's update one step late, so its all-gather overlaps the next step",
-    "dtype": "parameter dtype: float32 or bfloat16",
-    "autocast": "run the forward under torch.autocast(bfloat16)",
-    "grad_scaler": "use torch.amp.GradScaler (a rank with inf grads contributes nothing that step)",
-    "inject_inf": "RANK:STEP: that rank's loss is inf at that step (shows GradScaler's skipped step)",
-    "device": "cpu (Gloo) or cuda (NCCL)",
-    "timeout_s": "process-group timeout and bound on each wait for a collective, in seconds",
-    "save_dir": "write DIR/rank{r}.pt at the end; DIR must hold no checkpoint (none is overwritten)",
-    "resume_dir": "start from the checkpoints in DIR, saved by any world size (save to another DIR)",
-    "log": "rank 0 prints one line per step",
-    "shard_degree": "ranks per replica, its layers sharded over them with FSDP2 (world size % S == 0)",
-}
-DTYPES = ("float32", "bfloat16")
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 20
-    seed: int = 0
-    batch_size: int = 32
-    in_features: int = 16
-    hidden: int = 64
-    out_features: int = 8
-    lr: float = 1e-2
-    compression_topk: int = 4
-    compression_chunk: int = 64
-    compression_bits: int = 1
-    overlap: bool = False
-    dtype: str = "float32"
-    autocast: bool = False
-    grad_scaler: bool = False
-    inject_inf: str = ""
-    device: str = "cpu"
-    timeout_s: float = 60.0
-    save_dir: str = ""
-    resume_dir: str = ""
-    log: bool = True
-    shard_degree: int = 1
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"Invalid dtype: {self.dtype!r} (expected one of {DTYPES})")
-        if not self.steps >= 0:
-            raise ValueError(f"Invalid steps: {self.steps}")
-        for name in ("batch_size", "in_features", "hidden", "out_features"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"Invalid {name}: {getattr(self, name)} (expected >= 1)")
-        if self.inject_inf and not (self.inject_inf.count(":") == 1
-                                    and all(x.isdigit() for x in self.inject_inf.split(":"))):
-            raise ValueError(f"Invalid inject_inf: {self.inject_inf!r} (expected RANK:STEP)")
-        if not self.shard_degree >= 1:
-            raise ValueError(f"Invalid shard_degree: {self.shard_degree} (expected >= 1)")
-        if self.shard_degree > 1 and (self.save_dir or self.resume_dir):
-            raise ValueError("--save-dir and --resume-dir are not supported with --shard-degree > 1 "
-                             "(sharded checkpoints are not written here)")
-        if not 0 < self.timeout_s < math.inf:
-            raise ValueError(f"Invalid timeout_s: {self.timeout_s} (expected seconds > 0)")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"Invalid device: {self.device!r} (expected cpu or cuda)")
-        if self.device.startswith("cuda") and not (torch.cuda.is_available() and dist.is_nccl_available()):
-            raise ValueError("device cuda needs a CUDA GPU and a torch build with NCCL; this one has "
-                             f"{'no GPU' if not torch.cuda.is_available() else 'no NCCL'}")
-
-    @classmethod
-    def from_args(cls, argv=None) -> "TrainConfig":
-        parser = Parser(  # errors: one line, exit code 2
-            prog="experiments.train_ddp", description=__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        for f in dataclasses.fields(cls):
-            flag, helptext = "--" + f.name.replace("_", "-"), HELP.get(f.name, "")
-            if f.type == "bool":
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=helptext)
-            else:
-                kind = {"int": int, "float": float}.get(f.type, str)
-                parser.add_argument(flag, type=kind, default=f.default,
-                                    help=helptext + " (default: %(default)s)")
-        try:
-            return cls(**vars(parser.parse_args(argv)))
-        except ValueError as exc:
-            parser.error(str(exc))
+from distro_opt.experiments.sharded_checkpoint import check_layout, checksum
+from distro_opt.experiments.train_ddp_config import TrainConfig
 
 
 class TinyMLP(nn.Module):
@@ -191,26 +98,30 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None, hybrid=None) -> dict:
     """Train on ``comm`` (any distro_opt Backend); return losses, timings, bytes and final parameters.
     ``on_start(model)`` runs once the starting parameters are in place, before the first step.
     ``hybrid`` (``hybrid.HybridMesh``): the layers are then sharded over its shard dimension, and
-    ``comm`` must be its replicate group; the returned parameters are the full (gathered) ones."""
+    ``comm`` must be its replicate group; the returned parameters are the full (gathered) ones, and
+    checkpoints go through torch.distributed.checkpoint, one per run with every rank's shards."""
     rank, device = comm.rank, torch.device(cfg.device)
-    if cfg.save_dir and (cfg.steps > 0 or comm.world_size == 1):
+    # a checkpoint's rank files are the whole world's: in a hybrid run, one per rank of the mesh
+    file_rank, file_world = (hybrid.rank, hybrid.world_size) if hybrid is not None else (rank, comm.world_size)
+    if cfg.save_dir and (cfg.steps > 0 or file_world == 1):
         # Found now, not after the whole run. The first step's collective orders every rank's check
-        # before any rank's save; with no step nothing does (another rank's new file would make this
-        # check refuse), and there is no run to lose: the save itself refuses to overwrite.
+        # before any rank's save (in a hybrid run, the save's own first collective does); with no
+        # step nothing does (another rank's new file would make this check refuse), and there is no
+        # run to lose: the save itself refuses to overwrite.
         check_save_dir(cfg.save_dir)
     model = TinyMLP(cfg)
     init_params(model, cfg.seed)
     model.to(device=device, dtype=getattr(torch, cfg.dtype))
     if hybrid is not None:  # before the optimizer, which must hold the sharded parameters
-        if on_start is not None:  # on the whole model: no checkpoint is loaded (see TrainConfig)
-            on_start(model)
+        if on_start is not None:  # whole tensors, comparable across ranks; a checkpoint loaded next
+            on_start(model)  # is one DCP save, read alike by every rank
         shard_model(model, [m for m in model.layers if isinstance(m, nn.Linear)], hybrid)
     opt = DisTrOAdamW(
         model.parameters(), lr=cfg.lr, compression_topk=cfg.compression_topk,
         compression_chunk=cfg.compression_chunk, compression_bits=cfg.compression_bits,
         comm=comm, overlap=cfg.overlap,
     )
-    start = load_checkpoint(cfg.resume_dir, rank, comm.world_size, model, opt) if cfg.resume_dir else 0
+    start = load_checkpoint(cfg.resume_dir, file_rank, file_world, model, opt) if cfg.resume_dir else 0
     if on_start is not None and hybrid is None:
         on_start(model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.grad_scaler)
@@ -238,7 +149,8 @@ def train(cfg: TrainConfig, comm, log=None, on_start=None, hybrid=None) -> dict:
                 f"| comm {comm_s[-1]:.4f} s | step {step_s[-1]:.4f} s")
     opt.flush()  # overlap mode: apply the last step's update
     if cfg.save_dir:
-        save_checkpoint(cfg.save_dir, rank, comm.world_size, start + cfg.steps, model, opt)
+        save = save_checkpoint if hybrid is None else save_sharded_checkpoint
+        save(cfg.save_dir, file_rank, file_world, start + cfg.steps, model, opt)
     return {
         "losses": losses, "step_s": step_s, "comm_s": comm_s, "eval_loss_start": eval_start,
         "eval_loss": evaluate(model, cfg, device),
@@ -261,6 +173,15 @@ def init_group(cfg: TrainConfig) -> Path | None:
     return None
 
 
+def optimizer_group(cfg: TrainConfig, comm):
+    """(hybrid mesh or None, the backend the optimizer talks over): ``comm`` (the whole world), or in
+    a hybrid run the mesh's replicate group, one rank per replica."""
+    if cfg.shard_degree == 1:
+        return None, comm
+    hybrid = hybrid_mesh(torch.device(cfg.device).type, cfg.shard_degree)
+    return hybrid, TorchDistributedBackend(group=hybrid.replicate_group, timeout_s=cfg.timeout_s)
+
+
 def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
     """This rank's start-up problem, or the ranks' disagreement, exchanged: every rank gets the same
     answer (None: all can start), so that none starts training while another stops."""
@@ -268,9 +189,10 @@ def start_checks(cfg: TrainConfig, rank: int, world_size: int) -> str | None:
     try:
         if cfg.save_dir:
             check_save_dir(cfg.save_dir)
-        if cfg.resume_dir:
-            check_checkpoint_set(cfg.resume_dir)
         check_shard_degree(world_size, cfg.shard_degree)
+        if cfg.resume_dir:
+            saved = check_checkpoint_set(cfg.resume_dir)
+            check_layout(f"--resume-dir {cfg.resume_dir}", saved, (world_size, cfg.shard_degree))
     except (OSError, ValueError) as exc:
         problem = f"rank {rank}: {exc}"
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RANK}
@@ -308,7 +230,7 @@ def check_same_start(model: nn.Module) -> None:
 def main(argv=None) -> int:
     """The script. Returns its exit code only where no process group was started (bad arguments, a
     refused rendezvous file); from then on every way out ends the process (run_rank)."""
-    cfg = TrainConfig.from_args(argv)
+    cfg = TrainConfig.from_args(argv, description=__doc__)
     if cfg.device.startswith("cuda"):
         cfg = dataclasses.replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     try:
@@ -327,10 +249,7 @@ def _main(cfg: TrainConfig) -> tuple[int, bool]:
         problem = start_checks(cfg, comm.rank, comm.world_size)
         if problem is None:
             log = (lambda line: print(line, flush=True)) if cfg.log and comm.rank == 0 else None
-            hybrid, replicas = None, comm
-            if cfg.shard_degree > 1:  # the optimizer's group: one rank per replica
-                hybrid = hybrid_mesh(torch.device(cfg.device).type, cfg.shard_degree)
-                replicas = TorchDistributedBackend(group=hybrid.replicate_group, timeout_s=cfg.timeout_s)
+            hybrid, replicas = optimizer_group(cfg, comm)
             result = train(cfg, replicas, log=log, on_start=check_same_start, hybrid=hybrid)
     except ValueError as exc:  # check_same_start, a payload mismatch: raised alike on every rank
         problem = str(exc)

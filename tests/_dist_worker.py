@@ -125,10 +125,13 @@ def scenario_killed(rank, world_size, args):
 
 
 def scenario_train(rank, world_size, args):
-    """Train with DisTrOAdamW over Gloo; the test compares with the in-process simulation."""
-    from distro_opt.experiments.train_ddp import TrainConfig, train
+    """Train with DisTrOAdamW over Gloo (with --shard-degree, a hybrid run, wired as the script wires
+    it); the test compares with the in-process simulation, or another run."""
+    from distro_opt.experiments.train_ddp import TrainConfig, optimizer_group, train
 
-    return train(TrainConfig.from_args(args), TorchDistributedBackend(timeout_s=30))
+    cfg = TrainConfig.from_args(args)
+    hybrid, replicas = optimizer_group(cfg, TorchDistributedBackend(timeout_s=30))
+    return train(cfg, replicas, hybrid=hybrid)
 
 
 def scenario_mismatch(rank, world_size, args):
@@ -265,25 +268,20 @@ def scenario_fsdp_resume(rank, world_size, args):
 
 
 def scenario_fsdp_dcp(rank, world_size, args):
-    """As ``fsdp_resume``, through torch.distributed.checkpoint: one checkpoint for all ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    """As ``fsdp_resume``, through torch.distributed.checkpoint (the runner's and train_ddp's
+    ``sharded_checkpoint`` helpers): one checkpoint for all ranks."""
+    from distro_opt.experiments.sharded_checkpoint import load_sharded, save_sharded
 
     path, saved_at = os.path.join(args[2], "dcp"), int(args[3])
     model, opt, replica, shard = _fsdp_setup(args)
     _fsdp_train(model, opt, replica, shard, saved_at)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    save_sharded(path, model, opt)
     _fsdp_train(model, opt, replica, shard, 3, first=saved_at)
     continued = _full(model)
     fresh, fresh_opt, _, _ = _fsdp_setup(args)
-    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=path)
-    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    load_sharded(path, fresh, fresh_opt)
     _fsdp_train(fresh, fresh_opt, replica, shard, 3, first=saved_at)
     return {"continued": continued, "resumed": _full(fresh)}
-
 
 
 def scenario_fsdp_uneven(rank, world_size, args):

@@ -6,11 +6,15 @@ bytes per step that are the local shards' payload. The tiny transformer's parame
 first dimensions whose halves are whole chunks (chunk 16), so both runs compress the same
 coefficients; what may differ is float rounding (FSDP2's gathered weights and reduce-scattered
 gradients sum in another order), which can flip the sign of a near-zero coefficient: a tie.
+
+A hybrid run saves through torch.distributed.checkpoint; stopped after step N and resumed, it takes
+the uninterrupted run's steps bit for bit, and its checkpoints resume on no other layout.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,11 +27,12 @@ from distro_opt.experiments.model import parameter_shapes
 from distro_opt.experiments import run
 from distro_opt.experiments.presets import get_preset
 from distro_opt.experiments.process_group import one_machine_env
-from distro_opt.experiments.train_ddp import TrainConfig
+from distro_opt.experiments.sharded_checkpoint import checksum
 from distro_opt.wire import PayloadLayout, param_spec
 
 from _models import TINY_TRANSFORMER_FLAGS
 from _procs import wait_all
+from test_torch_backend import expect_success, launch as launch_scenarios
 
 STEPS = 4
 TOPK, CHUNK = 4, 16
@@ -45,7 +50,7 @@ def run_args(corpus, out, workers, shard_degree, arms=ARMS, steps=STEPS, extra=(
             "--out", out, "--cache", cache, "--corpus", folder, "--tokenizer", "byte",
             *TINY_TRANSFORMER_FLAGS, "--seq-len", "32", "--batch-size", "2", "--steps", steps,
             "--warmup-steps", "1", "--eval-every", "1000", "--eval-batches", "1",
-            "--eval-batch-size", "2", "--checkpoint-every", "2", "--no-progress", "--no-plots",
+            "--eval-batch-size", "2", "--checkpoint-every", "1", "--no-progress", "--no-plots",
             "--timeout-s", "30", *extra]
 
 
@@ -92,11 +97,11 @@ def test_hybrid_losses_equal_the_unsharded_runs(runs):
         assert hybrid[arm] == pytest.approx(plain[arm], rel=LOSS_RTOL), arm
 
 
-def _checkpoint(out, arm_slug, rank):
-    """The model of ``rank``'s step-2 checkpoint, as local shards."""
-    saved = torch.load(out / "checkpoints" / f"{arm_slug}-seed0" / f"step2.rank{rank}.pt",
-                       map_location="cpu", weights_only=False)
-    return {k: getattr(v, "_local_tensor", v) for k, v in saved["model"].items()}
+def _rank_file(out, arm_slug, rank, step=2):
+    """``rank``'s file of a step's checkpoint: progress counters and its layout, with a checksum of
+    the shards it saved into the DCP folder beside it."""
+    return torch.load(out / "checkpoints" / f"{arm_slug}-seed0" / f"step{step}.rank{rank}.pt",
+                      map_location="cpu", weights_only=False)
 
 
 def test_ranks_holding_the_same_shard_hold_bitwise_identical_replicas(runs):
@@ -104,11 +109,10 @@ def test_ranks_holding_the_same_shard_hold_bitwise_identical_replicas(runs):
     folders = sorted(p.name.removesuffix("-seed0") for p in (hybrid / "checkpoints").iterdir())
     assert len(folders) == 2
     for slug in folders:
-        ranks = [_checkpoint(hybrid, slug, r) for r in range(4)]
-        for shard in (0, 1):  # ranks 0, 2 hold shard 0 (replicas 0, 1); ranks 1, 3 shard 1
-            a, b = ranks[shard], ranks[shard + 2]
-            assert all(torch.equal(a[k], b[k]) for k in a), (slug, shard)
-        assert not torch.equal(ranks[0]["embed.weight"], ranks[1]["embed.weight"])
+        ranks = [_rank_file(hybrid, slug, r)["sharded"] for r in range(4)]
+        assert {(r["world_size"], r["shard_degree"]) for r in ranks} == {(4, 2)}
+        # ranks 0, 2 hold shard 0 (replicas 0, 1); ranks 1, 3 shard 1
+        assert ranks[0]["params"] == ranks[2]["params"] != ranks[1]["params"] == ranks[3]["params"], slug
 
 
 def _result(out, kind):
@@ -152,11 +156,112 @@ def test_a_shard_degree_that_does_not_divide_the_world_is_one_line(corpus, tmp_p
     assert not out.exists()
 
 
-def test_resume_of_a_hybrid_run_is_refused_before_anything_is_written(corpus, tmp_path):
-    out = tmp_path / "run"
-    results = launch(tmp_path, run_args(corpus, out, 1, 2, extra=["--resume"]), 2, timeout_s=60)
-    one_line_error_on_every_rank(results, "--resume with shard_degree 2 is not supported")
-    assert not out.exists()
+def _stopped_after_step_2(runs, tmp_path):
+    """A copy of the hybrid run's --out as a run stopped after step 2 leaves it: the newest complete
+    checkpoint is step 2's, no arm has its result, the metrics run on past the checkpoint."""
+    out = tmp_path / "stopped"
+    shutil.copytree(runs[0], out)
+    for folder in (out / "checkpoints").iterdir():
+        for later in folder.glob("step3.*"):
+            shutil.rmtree(later) if later.is_dir() else later.unlink()
+    for result in (out / "results").iterdir():
+        result.unlink()
+    return out
+
+
+def _dcp_contents(folder, tmp_path):
+    """Every tensor and value a DCP folder holds (the model's and the optimizer's), read on one
+    process as whole tensors."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp_path / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(folder, target)
+    return torch.load(target, weights_only=False)
+
+
+def _assert_same(a, b, where=""):
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def _rows(out):
+    """{(arm, step): metrics row}."""
+    return {(r["arm"], r["step"]): r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_a_stopped_hybrid_run_resumes_bit_identically(runs, corpus, tmp_path):
+    out = _stopped_after_step_2(runs, tmp_path)
+    args = run_args(corpus, out, 2, 2, extra=["--activation-checkpointing", "true", "--resume"])
+    for code, _, err in launch(tmp_path, args, 4):
+        assert code == 0, err
+    want, got = _rows(runs[0]), _rows(out)
+    assert sorted(got) == sorted(want) and len(got) == 2 * (STEPS + 1)
+    for key, row in got.items():
+        assert [row[k] for k in ("train_loss", "val_loss", "lr", "tokens")] == \
+            [want[key][k] for k in ("train_loss", "val_loss", "lr", "tokens")], key
+        # The counters go on from the checkpoint. A new process's backend first agrees on what its
+        # collectives carry, as the uninterrupted run did at step 1 (AdamW: the all-reduce's
+        # descriptor; DisTrOAdamW: the payload's size, announced again after the replica check
+        # that follows a load): the first step after the resume sends that once more.
+        arm, step = key
+        start_up = want[(arm, 1)]["sent_bytes"] - want[(arm, 2)]["sent_bytes"] if step > 2 else 0
+        assert row["cum_sent_bytes"] == want[key]["cum_sent_bytes"] + start_up, key
+        assert row["collectives"] == want[key]["collectives"], key
+    for slug in sorted(p.name.removesuffix("-seed0") for p in (out / "checkpoints").iterdir()):
+        # step 3's checkpoint, saved again by the resumed run: model and optimizer state, bit for bit
+        folder = f"checkpoints/{slug}-seed0/step3.dcp"
+        _assert_same(_dcp_contents(runs[0] / folder, tmp_path), _dcp_contents(out / folder, tmp_path), slug)
+        for rank in range(4):
+            files = [_rank_file(o, slug, rank, step=3) for o in (runs[0], out)]
+            assert files[0]["sharded"] == files[1]["sharded"], (slug, rank)
+
+
+def test_a_hybrid_runs_checkpoints_are_refused_on_another_layout_naming_both(runs, corpus, tmp_path):
+    out = _stopped_after_step_2(runs, tmp_path)
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    args = run_args(corpus, out, 1, 1, extra=["--activation-checkpointing", "true", "--resume"])
+    one_line_error_on_every_rank(launch(tmp_path, args, 1, timeout_s=60),
+                                 "(differs in: shard_degree, workers; it was saved by 4 ranks at shard degree 2, "
+                                 "this run has 1 rank at shard degree 1)")
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_a_hybrid_set_that_cannot_resume_is_refused_naming_it(runs, corpus, tmp_path):
+    """What --resume checks on rank 0 before any rank trains (a hybrid set loads on every rank at once)."""
+    from distro_opt.experiments.checkpoint import CheckpointError, CheckpointStore
+
+    out = _stopped_after_step_2(runs, tmp_path)
+    preset = get_preset("smoke")
+    config = json.loads((out / "config.json").read_text())
+    shapes = parameter_shapes(type(preset)(**config["preset"]).model_config(config["vocab_size"]))
+    slug = sorted(p.name for p in (out / "checkpoints").iterdir())[1].removesuffix("-seed0")
+    store = CheckpointStore(out, slug, 0, 4)
+    store.check_sharded(2, shapes)  # as saved: resumable
+    with pytest.raises(CheckpointError, match="holds embed.weight of shape"):
+        store.check_sharded(2, [("embed.weight", (1, 2)), *shapes])
+    rank2 = store.dir / "step2.rank2.pt"  # rank 2 holds shard 0, as rank 0 does
+    saved = torch.load(rank2, weights_only=False)
+    saved["sharded"]["params"] = "0" * 16
+    torch.save(saved, rank2)
+    with pytest.raises(CheckpointError, match=f"checkpoint {rank2} holds other parameters than rank 0, .*"
+                                              "start this arm over"):
+        store.check_sharded(2, shapes)
+    (store.dir / "step2.dcp" / ".metadata").unlink()
+    saved["sharded"]["params"] = torch.load(store.dir / "step2.rank0.pt", weights_only=False)["sharded"]["params"]
+    torch.save(saved, rank2)
+    with pytest.raises(CheckpointError, match=r"step2.dcp holds no readable .metadata \(FileNotFoundError\)"):
+        store.check_sharded(2, shapes)
 
 
 def test_an_in_process_run_with_a_shard_degree_is_one_line(corpus, tmp_path, monkeypatch, capsys):
@@ -185,15 +290,39 @@ def _closing_lines(results):
     return lines
 
 
-def test_train_ddp_hybrid_takes_the_unsharded_runs_steps_on_local_shards(tmp_path):
-    hybrid = _closing_lines(launch(tmp_path, [*DDP_ARGS, "--shard-degree", "2"], 4, 90, "train_ddp"))
+@pytest.fixture(scope="module")
+def ddp_hybrid(tmp_path_factory):
+    """train_ddp on a 2 x 2 mesh, in one process group: 4 steps uninterrupted, then 2 steps saved to
+    a --save-dir and 2 more resumed from it. Returns ({job: each rank's result}, the --save-dir)."""
+    tmp = tmp_path_factory.mktemp("ddp_hybrid")
+    hybrid, saved = [*DDP_ARGS, "--shard-degree", "2"], str(tmp / "saved")
+    jobs = [["whole", "train", hybrid], ["saved", "train", [*hybrid, "--steps", "2", "--save-dir", saved]],
+            ["resumed", "train", [*hybrid, "--steps", "2", "--resume-dir", saved]]]
+    results, codes = launch_scenarios(jobs, 4, tmp, timeout_s=120)
+    expect_success(results, codes, tmp)
+    return {name: [r[name] for r in results] for name, _, _ in jobs}, tmp / "saved"
+
+
+def test_train_ddp_hybrid_takes_the_unsharded_runs_steps_on_local_shards(tmp_path, ddp_hybrid):
+    hybrid = ddp_hybrid[0]["whole"]
     plain = _closing_lines(launch(tmp_path, DDP_ARGS, 2, 60, "train_ddp"))
-    assert len({(r["params"], r["eval"]) for r in hybrid}) == 1  # every rank: the same full model
-    assert float(hybrid[0]["eval"].split()[1]) == pytest.approx(float(plain[0]["eval"].split()[1]), rel=LOSS_RTOL)
+    assert len({(checksum(r["params"]), r["eval_loss"]) for r in hybrid}) == 1  # every rank: the same full model
+    assert hybrid[0]["eval_loss"] == pytest.approx(float(plain[0]["eval"].split()[1]), rel=LOSS_RTOL)
     shapes = [(32, 16), (32,), (32, 64), (32,), (4, 64), (4,)]  # TinyMLP's shards over 2 ranks
     layout = PayloadLayout([param_spec(s, 2, 4, 1) for s in shapes])
-    assert hybrid[0]["payload"] == f"{layout.nbytes} B/step"
+    assert hybrid[0]["payload_nbytes"] == layout.nbytes
     assert int(plain[0]["payload"].split()[0]) > layout.nbytes
+
+
+def test_train_ddp_hybrid_saves_through_dcp_and_resumes_bit_identically(ddp_hybrid):
+    runs, saved = ddp_hybrid
+    assert sorted(p.name for p in saved.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(4)]
+    (folder,) = saved.glob("sharded-*")  # DCP's: one data file per rank, its index written last
+    assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 4
+    for whole, first, resumed in zip(runs["whole"], runs["saved"], runs["resumed"]):
+        assert first["losses"] + resumed["losses"] == whole["losses"]
+        assert resumed["eval_loss"] == whole["eval_loss"]
+        assert all(torch.equal(resumed["params"][k], whole["params"][k]) for k in whole["params"])
 
 
 def test_train_ddp_shard_degree_that_does_not_divide_the_world_is_one_line(tmp_path):
@@ -201,8 +330,10 @@ def test_train_ddp_shard_degree_that_does_not_divide_the_world_is_one_line(tmp_p
     one_line_error_on_every_rank(results, "Invalid shard_degree: 2 does not divide the world size 1")
 
 
-def test_train_ddp_refuses_checkpoints_with_a_shard_degree(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        TrainConfig.from_args(["--shard-degree", "2", "--save-dir", "somewhere"])
-    assert exit_info.value.code == 2
-    assert "--save-dir and --resume-dir are not supported with --shard-degree > 1" in capsys.readouterr().err
+def test_train_ddp_refuses_a_sharded_checkpoint_on_another_layout_naming_both(tmp_path, ddp_hybrid):
+    _, saved = ddp_hybrid
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in saved.rglob("*"))
+    results = launch(tmp_path, [*DDP_ARGS, "--resume-dir", saved], 1, 60, "train_ddp")
+    one_line_error_on_every_rank(results, f"--resume-dir {saved} was saved by 4 ranks at shard degree 2, "
+                                          "this run has 1 rank at shard degree 1")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in saved.rglob("*")) == before

@@ -293,3 +293,12 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys, monkeypatch, n
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert err.startswith(f"experiments.train_ddp: error: {message}") and err.count("\n") == 1, err
+
+
+def test_help_prints_the_scripts_docstring_and_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_ddp.main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert out.count("Train a small MLP with DisTrOAdamW across real processes") == 1
+    assert "--shard-degree SHARD_DEGREE" in out and "the world size a multiple of S" in out
