@@ -1,8 +1,6 @@
 """DisTrOAdamW: a drop-in for torch.optim.AdamW that exchanges a compressed decoupled momentum."""
 from __future__ import annotations
 
-import torch
-
 from .local_steps import LocalSteps, default_inner_optimizer, inner_group, synced_parameters
 from .optimizer import DecoupledMomentumOptimizer
 from .settings import (

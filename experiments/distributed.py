@@ -143,7 +143,8 @@ def _run_ranks(args, preset, arms, use_cuda) -> tuple[int, bool]:
 def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, bool]:
     """``_run_ranks``'s work; ``started`` records how far it got: "corpus", "lock" (rank 0 holds --out),
     "training" (every rank passed the start-up checks), "sink" (rank 0's open metrics sink)."""
-    from .run import check_checkpoints, finish, finished, prepare_out_dir, record_result, run_config
+    from .run import check_checkpoints, finish, finished, record_result
+    from .run_dir import prepare_out_dir, run_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{torch.cuda.current_device()}" if use_cuda else "cpu"

@@ -21,6 +21,7 @@ from distro_opt.shards import local
 
 from .arms import Arm, build_optimizer, compression_warmup, optimizer_kwargs
 from .checkpoint import CheckpointStore
+from .coordination import StopSignal
 from .data import val_batches, worker_batch
 from .hybrid import shard_model
 from .model import build_model
