@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The tuned comparison behind docs/results-tuned.md: every arm at the same four learning rates
+# The tuned comparison behind docs/results-tuned.md: every arm at the same learning-rate grid
 # (local steps also at two outer lrs), seeds 0 and 1, on Shakespeare and on three Canterbury-corpus
-# texts; each arm at its best point against AdamW at its best. Then the two tuned frontiers.
-# About two hours on 2 CPU cores; finished runs are skipped and interrupted ones resume.
+# texts; each arm at its best point against AdamW at its best; then the recipes on top (error
+# feedback, compression warm-up, clipping), and the two tuned frontiers.
+# About 200 runs of a minute each on 2 CPU cores; finished runs are skipped, interrupted ones resume.
 #
 #   bash research/tuned_study.sh [OUT]      # OUT defaults to runs/study
 set -euo pipefail
@@ -15,6 +16,11 @@ SPLIT="distro:embed.topk=8,matrix.topk=2,decay=0.9"   # per-kind top-k (1,031x)
 UNIFORM="distro:topk=3,decay=0.9"                     # the same idea for every parameter (1,135x)
 TOP3="distro:topk=3"                                  # top-3 alone (1,135x)
 LOCAL="distro:sync_every=16,topk=12,bits=2,embed.topk=31,matrix.topk=6"  # local steps (5,751x)
+# recipes on top (issue 26): Psyche's error feedback, a compression warm-up, clipping
+KEPT="distro:feedback=kept,distro:topk=3,decay=0.9,feedback=kept"
+WARM="distro:warmup_for=30,warmup_topk=32,distro:topk=3,decay=0.9,warmup_for=15,warmup_topk=16"
+WARM2="distro:topk=2,warmup_for=15,warmup_topk=32,distro:topk=2,decay=0.9,warmup_for=15,warmup_topk=32"  # 1,016x
+WARM3="distro:topk=3,decay=0.9,warmup_for=12,warmup_topk=16"  # 1,012x
 CORPUS="$OUT/corpus-canterbury"
 canterbury_corpus "$CORPUS"
 TUNED=(--preset smoke --seeds 0,1 --sweep "$GRID")
@@ -25,5 +31,14 @@ run sh-t3 "${TUNED[@]}" --arms "$TOP3"
 run ca-t3 "${TUNED[@]}" --corpus "$CORPUS" --arms "$TOP3"
 run sh-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --arms "$LOCAL"
 run ca-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --corpus "$CORPUS" --arms "$LOCAL"
-"$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-t3" "$OUT/sh-l" --out "$OUT/frontier-tuned-sh" --force
-"$PY" -m experiments.frontier "$OUT/ca-p" "$OUT/ca-t3" "$OUT/ca-l" --out "$OUT/frontier-tuned-ca" --force
+run sh-fk "${TUNED[@]}" --arms "$KEPT"
+run sh-wu "${TUNED[@]}" --arms "$WARM"
+run sh-wu2 "${TUNED[@]}" --arms "$WARM2"
+run ca-wu "${TUNED[@]}" --corpus "$CORPUS" --arms "$WARM"
+run sh-wu3 "${TUNED[@]}" --arms "$WARM3"
+run ca-wu3 "${TUNED[@]}" --corpus "$CORPUS" --arms "$WARM3"
+run ca-wu2 "${TUNED[@]}" --corpus "$CORPUS" --arms "$WARM2"
+run sh-clip "${TUNED[@]}" --grad-clip 1 --arms "adamw,$UNIFORM"
+run ca-clip "${TUNED[@]}" --grad-clip 1 --corpus "$CORPUS" --arms "adamw,$UNIFORM"
+"$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-t3" "$OUT/sh-l" "$OUT/sh-wu" "$OUT/sh-wu2" "$OUT/sh-wu3" --out "$OUT/frontier-tuned-sh" --force
+"$PY" -m experiments.frontier "$OUT/ca-p" "$OUT/ca-t3" "$OUT/ca-l" "$OUT/ca-wu" "$OUT/ca-wu3" --out "$OUT/frontier-tuned-ca" --force

@@ -386,8 +386,11 @@ def _resume(args, cwd):
     assert done.returncode == 0, done.stderr.decode()
 
 
-def test_interrupted_overlap_run_resumes_to_the_same_numbers(corpus, tmp_path):
-    extra = ("--arms", "distro:overlap=true")
+# overlap: the update of the step before lands after the save; a compression warm-up (20 steps):
+# interrupted inside it, the resumed run must pick the warm-up up where it was, and its ledger
+@pytest.mark.parametrize("arm", ["distro:overlap=true", "distro:warmup_for=20,warmup_topk=16"])
+def test_interrupted_overlap_or_warmup_run_resumes_to_the_same_numbers(corpus, tmp_path, arm):
+    extra = ("--arms", arm)
     assert run.main(tiny_args(corpus, tmp_path / "straight", steps=40, extra=extra)) == 0
     out = tmp_path / "interrupted"
     args = tiny_args(corpus, out, steps=40, extra=extra)
@@ -399,8 +402,10 @@ def test_interrupted_overlap_run_resumes_to_the_same_numbers(corpus, tmp_path):
     )
     # the resumed workers compared their replicas again: two checks, and the ledger still exact
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["arms"]["distro:overlap=true"]["per_seed"]["0"]["replica_checks"] == 2
-    assert summary["arms"]["distro:overlap=true"]["bytes_match_formula"] is True
+    straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["arms"][arm]["per_seed"]["0"]["replica_checks"] == 2
+    assert summary["arms"][arm]["bytes_match_formula"] is True
+    assert summary["arms"][arm]["compression_vs_dense_bf16"] == straight["arms"][arm]["compression_vs_dense_bf16"]
 
 
 def test_demo_and_option_arms_report_their_own_payload(corpus, tmp_path):
