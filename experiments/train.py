@@ -241,18 +241,19 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
             opt.step()
         else:
             clip_gradients(model, p.grad_clip)  # this worker's own gradient, before it is compressed
-            payload_nbytes, collectives = opt.payload_nbytes, _counters(backend, opt)[2]
+            payload_nbytes = opt.payload_nbytes if warmup is not None else 0  # this step's size
             opt.step()
             codec_s, comm_s = opt.last_step_timing["codec_s"], opt.last_step_timing["comm_s"]
-            if warmup is not None:  # the payload's size changes: the ledger adds up this step's
-                warmup.step()
-                state = _add_to_warmup_ledger(state, payload_nbytes, _counters(backend, opt)[2] - collectives, world)
         opt.zero_grad(set_to_none=True)
         checkpoint_now = step % p.checkpoint_every == 0 and step < p.steps
         if (checkpoint_now or step == p.steps) and hasattr(opt, "flush"):
             # Overlap mode: land the pending update (and count its bytes) before evaluating or saving.
             opt.flush()
+        collectives_before = state["collectives"]
         state, sent, received, last = _count_bytes(backend, opt, state, last, step)
+        if warmup is not None:  # the payload's size changes: the ledger adds up this step's
+            warmup.step()
+            state = _add_to_warmup_ledger(state, payload_nbytes, state["collectives"] - collectives_before, world)
         train_loss = losses.mean(step, world)
         eval_s, val_loss = 0.0, None
         if rank == 0 and (step % p.eval_every == 0 or step == p.steps):

@@ -312,15 +312,19 @@ def test_both_arms_learn_on_the_tiny_corpus(straight):
         assert summary["arms"][arm]["final_val_loss_mean"] < summary["arms"][arm]["initial_val_loss"] - 0.5
 
 
+def _tiny_model():
+    """The model ``tiny_args`` trains (TINY_TRANSFORMER_FLAGS, byte tokens, 32-token context)."""
+    cfg = type(get_preset("smoke").model_config())(
+        vocab_size=256, n_layers=1, d_model=32, n_heads=2, d_ff=64, max_seq_len=32
+    )
+    return build_model(cfg, seed=0)
+
+
 def test_reported_bytes_equal_backend_counters_and_codec_formula(corpus, straight):
     summary = json.loads((straight / "summary.json").read_text())
     results = {p.stem: json.loads(p.read_text()) for p in (straight / "results").glob("*.json")}
-    preset = get_preset("smoke")
-    cfg = type(preset.model_config())(
-        vocab_size=256, n_layers=1, d_model=32, n_heads=2, d_ff=64, max_seq_len=32
-    )
-    opt = DisTrOAdamW(build_model(cfg, seed=0).parameters(), comm=SingleWorkerBackend())
-    n_params = sum(p.numel() for p in build_model(cfg, seed=0).parameters())
+    opt = DisTrOAdamW(_tiny_model().parameters(), comm=SingleWorkerBackend())
+    n_params = sum(p.numel() for p in _tiny_model().parameters())
     expected = {
         "distro": CommStats.all_gather_bytes(opt.payload_nbytes, 2),
         "adamw": CommStats.ring_all_reduce_bytes(4 * n_params, 2),
@@ -427,9 +431,7 @@ def test_compression_warmup_arm_counts_its_larger_first_payloads(corpus, tmp_pat
     assert run.main(tiny_args(corpus, out, steps=8, extra=("--arms", arms))) == 0
     summary = json.loads((out / "summary.json").read_text())["arms"]
     plain, warm = summary["distro"], summary["distro:warmup_for=3,warmup_topk=16"]
-    cfg = type(get_preset("smoke").model_config())(vocab_size=256, n_layers=1, d_model=32, n_heads=2, d_ff=64,
-                                                   max_seq_len=32)
-    top16 = DisTrOAdamW(build_model(cfg, seed=0).parameters(), compression_topk=16).payload_nbytes
+    top16 = DisTrOAdamW(_tiny_model().parameters(), compression_topk=16).payload_nbytes
     assert warm["payload_nbytes"] == plain["payload_nbytes"] < top16
     per_step = (3 * top16 + 5 * plain["payload_nbytes"]) / 8
     assert warm["sent_bytes_per_step"] == (3 * CommStats.all_gather_bytes(top16, 2)
