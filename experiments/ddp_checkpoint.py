@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .sharded_checkpoint import (
-    METADATA_NAME, check_layout, checksum, load_sharded, save_sharded, shard_degree_of,
+    METADATA_NAME, check_layout, checksum, load_sharded, read_index, save_sharded, shard_degree_of,
 )
 
 try:
@@ -217,7 +217,12 @@ def check_checkpoint_set(directory: str) -> tuple[int, int]:
                          for name, (s, w, d, c) in saves.items())
         raise ValueError(f"Checkpoint files in {directory!r} are not from one save: {seen}; "
                          "resume from a directory that a single save wrote")
-    if saved_degree > 1 and not (Path(directory) / data / METADATA_NAME).is_file():
-        raise ValueError(f"Checkpoint {directory!r} is incomplete: its rank files name {data}, "
-                         f"which holds no {METADATA_NAME}")
+    if saved_degree > 1:
+        if not (Path(directory) / data / METADATA_NAME).is_file():
+            raise ValueError(f"Checkpoint {directory!r} is incomplete: its rank files name {data}, "
+                             f"which holds no {METADATA_NAME}")
+        try:
+            read_index(Path(directory) / data)
+        except ValueError as exc:
+            raise ValueError(f"Checkpoint {directory!r} cannot be resumed: {data} {exc}") from None
     return saved_ws, saved_degree

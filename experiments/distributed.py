@@ -31,7 +31,7 @@ from distro_opt.cli_args import UsageError, fail, os_error_message
 from distro_opt.comm import resolve_backend
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
 
-from .checkpoint import CheckpointStore
+from .checkpoint import CheckpointError, CheckpointStore
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .hybrid import check_shard_degree, hybrid_mesh
 from .metrics import MetricsSink, truncate_metrics
@@ -117,7 +117,8 @@ def _advice(args, run_in_out: bool) -> str:
 
 def _run_ranks(args, preset, arms, use_cuda) -> tuple[int, bool]:
     """Start-up checks, every job, the summary; returns (exit code, whether every rank is between
-    collectives, so that the group can be destroyed). A peer lost (CollectiveError) or Ctrl-C:
+    collectives, so that the group can be destroyed). A checkpoint that passed the start-up check but
+    does not load (CheckpointError): its one line, exit code 2. A peer lost (CollectiveError) or Ctrl-C:
     one line with what to run next, exit code 1 or 130, the group abandoned (its lock on --out
     ends with the process)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -128,6 +129,8 @@ def _run_ranks(args, preset, arms, use_cuda) -> tuple[int, bool]:
         return _start_and_train(args, preset, arms, use_cuda, started)
     except CollectiveError as exc:
         code, message = EXIT_PEER_LOST, " ".join(str(exc).split()).rstrip(".")
+    except CheckpointError as exc:  # passed the start-up check, yet does not load: a sharded set fails
+        return fail(" ".join(str(exc).split())), False  # on every rank at once (DCP gathers the errors)
     except KeyboardInterrupt:
         code, message = EXIT_INTERRUPTED, f"rank {rank} of {world}: interrupted"
     finally:

@@ -94,17 +94,40 @@ def _one_line_errors(directory, done: str, error_type):
 
 def saved_shapes(directory: Path | str) -> dict[str, tuple[int, ...]]:
     """The whole (unsharded) shape of every model tensor in ``directory``'s DCP index, by name;
-    read on one rank, with no collective. A missing or unreadable index: ``ValueError`` saying so
-    (its message names no path: the caller names the checkpoint)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    read on one rank, with no collective, once ``read_index`` has checked the data files."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_index(directory)
+    return {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+
+def read_index(directory: Path | str):
+    """``directory``'s DCP index, once every data file it points into is there and holds the bytes
+    it names: a missing or cut-short file is found on one rank before the load, whose collectives
+    would otherwise stop every rank in the middle. A problem is a ``ValueError`` saying what (its
+    message names no path: the caller names the checkpoint). Damage that keeps a file's size is
+    found by the load itself."""
+    from torch.distributed.checkpoint import FileSystemReader
 
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a missing file or whatever the unpickler met
         raise ValueError(f"holds no readable {METADATA_NAME} ({type(exc).__name__})") from None
-    return {key.removeprefix("model."): tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    ends: dict[str, int] = {}  # each data file's last byte the index points to
+    for info in metadata.storage_data.values():  # DCP's _StorageInfo: (relative_path, offset, length)
+        name, offset, length = (getattr(info, field, None) for field in ("relative_path", "offset", "length"))
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (Path(directory) / name).stat().st_size
+        except OSError as exc:
+            raise ValueError(f"lacks {name}, a data file its {METADATA_NAME} names "
+                             f"({exc.strerror or type(exc).__name__})") from None
+        if size < end:
+            raise ValueError(f"holds {name} cut short ({size:,} of the {end:,} bytes its {METADATA_NAME} names)")
+    return metadata
 
 
 def checksum(params: dict) -> str:

@@ -257,11 +257,39 @@ def test_a_hybrid_set_that_cannot_resume_is_refused_naming_it(runs, corpus, tmp_
     with pytest.raises(CheckpointError, match=f"checkpoint {rank2} holds other parameters than rank 0, .*"
                                               "start this arm over"):
         store.check_sharded(2, shapes)
-    (store.dir / "step2.dcp" / ".metadata").unlink()
     saved["sharded"]["params"] = torch.load(store.dir / "step2.rank0.pt", weights_only=False)["sharded"]["params"]
     torch.save(saved, rank2)
+    data = store.dir / "step2.dcp" / "__1_0.distcp"  # rank 1's shards, which the index points into
+    whole = data.read_bytes()
+    data.write_bytes(whole[:100])
+    with pytest.raises(CheckpointError, match=f"step2.dcp holds __1_0.distcp cut short \\(100 of the {len(whole):,} "
+                                              "bytes its .metadata names\\)"):
+        store.check_sharded(2, shapes)
+    data.unlink()
+    with pytest.raises(CheckpointError, match="step2.dcp lacks __1_0.distcp, a data file its .metadata names"):
+        store.check_sharded(2, shapes)
+    data.write_bytes(whole)
+    store.check_sharded(2, shapes)
+    (store.dir / "step2.dcp" / ".metadata").unlink()
     with pytest.raises(CheckpointError, match=r"step2.dcp holds no readable .metadata \(FileNotFoundError\)"):
         store.check_sharded(2, shapes)
+
+
+def test_a_hybrid_set_that_fails_inside_the_collective_load_is_one_line_on_every_rank(runs, corpus, tmp_path):
+    """Damage that keeps the files' sizes passes the start-up check; the load, a collective of every
+    rank, then fails on every rank alike: one line each, exit code 2, the checkpoints untouched."""
+    out = _stopped_after_step_2(runs, tmp_path)
+    arm_dir = sorted((out / "checkpoints").iterdir())[0]  # the first arm to resume
+    data = arm_dir / "step2.dcp" / "__1_0.distcp"
+    data.write_bytes(bytes(data.stat().st_size))
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in (out / "checkpoints").rglob("*"))
+    args = run_args(corpus, out, 2, 2, extra=["--activation-checkpointing", "true", "--resume"])
+    results = launch(tmp_path, args, 4)
+    one_line_error_on_every_rank(results, "does not fit this model and optimizer (ValueError: checkpoint")
+    for _, _, err in results:
+        assert "step2.dcp could not be loaded" in err, err
+        assert f"move the step2.rank*.pt files out of {arm_dir} to start this arm over" in err, err
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in (out / "checkpoints").rglob("*")) == before
 
 
 def test_an_in_process_run_with_a_shard_degree_is_one_line(corpus, tmp_path, monkeypatch, capsys):
@@ -337,3 +365,15 @@ def test_train_ddp_refuses_a_sharded_checkpoint_on_another_layout_naming_both(tm
     one_line_error_on_every_rank(results, f"--resume-dir {saved} was saved by 4 ranks at shard degree 2, "
                                           "this run has 1 rank at shard degree 1")
     assert sorted((p.name, p.stat().st_mtime_ns) for p in saved.rglob("*")) == before
+
+
+def test_train_ddp_refuses_a_sharded_checkpoint_with_a_data_file_cut_short_before_training(tmp_path, ddp_hybrid):
+    saved = tmp_path / "saved"
+    shutil.copytree(ddp_hybrid[1], saved)
+    (folder,) = saved.glob("sharded-*")
+    data = folder / "__2_0.distcp"
+    whole = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:10])
+    results = launch(tmp_path, [*DDP_ARGS, "--shard-degree", "2", "--resume-dir", saved], 4, 60, "train_ddp")
+    one_line_error_on_every_rank(results, f"Checkpoint {str(saved)!r} cannot be resumed: {folder.name} holds "
+                                          f"__2_0.distcp cut short (10 of the {whole:,} bytes its .metadata names)")
