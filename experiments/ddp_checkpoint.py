@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import shutil
 import warnings
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def check_save_dir(directory: str) -> None:
     """A save needs a directory that holds no checkpoint (adding rank files to another save's would
     mix two saves, and replacing them, one file at a time, could too) and where a save works: this
     writes, names and deletes a probe file the way save_checkpoint does. Leftovers of a killed save
-    (``.rank*.pt.*.part``) are deleted."""
+    (``.rank*.pt.*.part``; a sharded save's folder and its lock file) are deleted."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     held = sorted(f.name for f in path.glob("rank*.pt"))
@@ -65,12 +66,31 @@ def save_sharded_checkpoint(directory: str, rank: int, world_size: int, step: in
     """A hybrid run's save, on every rank at once: the model and optimizer through DCP into a new
     folder ``directory/sharded-{random}`` (rank 0 names it: no other save writes there), then each
     rank's ``rank{rank}.pt`` naming it, with the step and layout. DCP returns once its index is
-    written, so a save cut short leaves no rank file: no checkpoint, only a folder nothing names."""
-    folder = [f"sharded-{secrets.token_hex(8)}" if dist.get_rank() == 0 else None]
+    written, so a save cut short leaves no rank file: no checkpoint, only a folder nothing names.
+
+    Rank 0 holds the folder's lock file ``.sharded.{random}.part`` locked from before the folder
+    exists until its own rank file names it, and deletes it then: a lock file nobody holds marks
+    the folder of a killed or failed save, which the next ``check_save_dir`` there deletes."""
+    lock = None
+    if dist.get_rank() == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        lock_path, lock = _part_file(Path(directory), _SHARDED_LOCK)
+    folder = [_sharded_folder(lock_path) if lock is not None else None]
     dist.broadcast_object_list(folder, src=0)
     save_sharded(Path(directory) / folder[0], model, opt)
     state = {"sharded": folder[0], "shard_degree": shard_degree_of(model), "world_size": world_size, "step": step}
-    return _write_rank_file(directory, rank, state)
+    path = _write_rank_file(directory, rank, state)
+    if lock is not None:  # a save that failed keeps its lock file (unlocked once the process ends)
+        lock_path.unlink()
+        lock.close()
+    return path
+
+
+_SHARDED_LOCK = ".sharded"  # a sharded save's lock file: .sharded.{random}.part, for sharded-{random}/
+
+
+def _sharded_folder(lock_path: Path) -> str:
+    return "sharded-" + lock_path.name.removeprefix(_SHARDED_LOCK + ".").removesuffix(".part")
 
 
 def _write_rank_file(directory: str, rank: int, state: dict) -> Path:
@@ -148,13 +168,20 @@ def _publish(part: Path, path: Path) -> None:
 
 
 def _remove_leftovers(directory: Path) -> None:
-    """Delete the part files of saves that were killed: those no process holds locked."""
+    """Delete the part files of saves that were killed: those no process holds locked; and with a
+    sharded save's lock file, the DCP folder it stands for, unless a rank file is there (its save
+    got as far as naming it)."""
     if fcntl is None:
         return
-    for part in [*directory.glob(".rank*.pt.*.part"), *directory.glob(".probe.*.part")]:
+    parts = [*directory.glob(".rank*.pt.*.part"), *directory.glob(".probe.*.part")]
+    for part in [*parts, *directory.glob(f"{_SHARDED_LOCK}.*.part")]:
         try:
             with open(part, "rb") as f:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a save writes it
+                if part not in parts:
+                    if any(directory.glob("rank*.pt")):
+                        continue
+                    shutil.rmtree(directory / _sharded_folder(part), ignore_errors=True)
                 part.unlink(missing_ok=True)
         except OSError:
             continue

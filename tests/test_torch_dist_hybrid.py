@@ -346,6 +346,7 @@ def test_train_ddp_hybrid_saves_through_dcp_and_resumes_bit_identically(ddp_hybr
     runs, saved = ddp_hybrid
     assert sorted(p.name for p in saved.glob("rank*.pt")) == [f"rank{r}.pt" for r in range(4)]
     (folder,) = saved.glob("sharded-*")  # DCP's: one data file per rank, its index written last
+    assert sorted(p.name for p in saved.iterdir()) == [f"rank{r}.pt" for r in range(4)] + [folder.name]  # no lock
     assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 4
     for whole, first, resumed in zip(runs["whole"], runs["saved"], runs["resumed"]):
         assert first["losses"] + resumed["losses"] == whole["losses"]

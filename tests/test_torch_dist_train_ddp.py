@@ -117,6 +117,23 @@ def test_the_part_file_of_a_killed_save_is_deleted_by_the_next_check_but_not_one
         assert [f.name for f in tmp_path.iterdir()] == [writing.name]
 
 
+def test_the_folder_of_a_killed_sharded_save_is_deleted_by_the_next_check_but_not_one_being_written(tmp_path):
+    import fcntl
+
+    from distro_opt.experiments.ddp_checkpoint import check_save_dir
+
+    for name in ("0123456789abcdef", "fedcba9876543210"):  # DCP folders without rank files naming them
+        (tmp_path / f"sharded-{name}").mkdir()
+        (tmp_path / f"sharded-{name}" / "__0_0.distcp").write_bytes(b"half a shard")
+    (tmp_path / ".sharded.0123456789abcdef.part").write_bytes(b"")  # its save died: nobody holds it
+    writing = tmp_path / ".sharded.fedcba9876543210.part"
+    with open(writing, "wb") as f:  # rank 0 of a save in progress holds its folder's lock file
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        check_save_dir(str(tmp_path))
+        assert sorted(f.name for f in tmp_path.iterdir()) == [writing.name, "sharded-fedcba9876543210"]
+        assert (tmp_path / "sharded-fedcba9876543210" / "__0_0.distcp").read_bytes() == b"half a shard"
+
+
 @pytest.fixture(params=["deletes", "holds"])
 def cleanup_in_the_gap(request, monkeypatch):
     """Another rank's check_save_dir of the same directory meets the first file ddp_checkpoint creates
