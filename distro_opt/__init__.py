@@ -9,6 +9,7 @@ from .demo import DeMo
 from .values import PayloadError
 from .transform import DCTTransform
 from .warmup import CompressionWarmup
+from .muon import MuonAdamW
 
-__all__ = ["DisTrOAdamW", "DeMo", "CompressionWarmup", "DCTTransform", "PayloadLayout", "PayloadError", "param_spec"]
+__all__ = ["DisTrOAdamW", "DeMo", "CompressionWarmup", "MuonAdamW", "DCTTransform", "PayloadLayout", "PayloadError", "param_spec"]
 __version__ = "0.1.0"

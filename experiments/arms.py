@@ -13,8 +13,9 @@ topk, bits, ...) for one kind of parameter only, e.g. ``distro:embed.update=adam
 ``PART`` is ``embed`` (parameters whose name contains "embed"), ``norm`` (other 1-D parameters: norm
 gains, biases) or ``matrix`` (the rest); each kind becomes its own param group.
 
-Compression warm-up (``distro_opt.warmup``; distro and demo arms): ``warmup_for=N`` steps at
-``warmup_topk=K`` and/or ``warmup_bits=B`` for every parameter, e.g. ``distro:warmup_for=30,warmup_topk=32``.
+The runner's own options (``runner_options``): a compression warm-up, ``warmup_for=N`` steps at
+``warmup_topk=K`` and/or ``warmup_bits=B`` (distro, demo: ``distro:warmup_for=30,warmup_topk=32``),
+and the local-step mode's inner optimizer, ``inner=muon`` (distro with H > 1, diloco).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ import torch
 
 from distro_opt import DeMo, DisTrOAdamW
 from distro_opt.comm import SingleWorkerBackend
-from distro_opt.warmup import CompressionWarmup
 
 from .cli import BOOL_WORDS
 from .peer_arms import PEER_ALIASES, PEER_KINDS, check_peer_options, peer_allowed_options, peer_option_type
+from .runner_options import RUNNER_OPTIONS, compression_warmup, inner_optimizer, runner_options, wants_muon
 
 ALIASES = {
     "topk": "compression_topk",
@@ -73,10 +74,6 @@ class Arm:
 # as bf16, no error feedback (decay 0). H = 30 suits the runner's short runs (the paper: 500).
 DILOCO_SETTINGS = {"sync_every": 30, "outer_lr": 0.7, "outer_momentum": 0.9, "compression_decay": 0.0,
                    "compression_bits": 16}
-# Runner options, not the optimizer's: a compression warm-up (distro_opt.warmup) for the first
-# ``warmup_for`` steps at ``warmup_topk`` / ``warmup_bits``
-WARMUP_OPTIONS = {"warmup_for": int, "warmup_topk": int, "warmup_bits": int}
-_WARMUP_KINDS = ("distro", "demo")
 _DILOCO_FIXED = {"compression_topk", "compression_bits", "compression_decay", "update", "overlap"}
 
 
@@ -95,8 +92,7 @@ def _allowed_options(kind: str) -> set[str]:
     if kind in PEER_KINDS:
         return peer_allowed_options(kind)
     allowed = set(inspect.signature(_optimizer_class(kind).__init__).parameters) - _NOT_OPTIONS
-    if kind in _WARMUP_KINDS:
-        allowed |= set(WARMUP_OPTIONS)
+    allowed |= runner_options(kind)
     return allowed - _DILOCO_FIXED if kind == "diloco" else allowed
 
 
@@ -122,8 +118,8 @@ def _option_type(kind: str, name: str):
     None when it names no single one of these (betas, inner_optimizer): such values are guessed."""
     if kind in PEER_KINDS:
         return peer_option_type(kind, name)
-    if name in WARMUP_OPTIONS:
-        return WARMUP_OPTIONS[name]
+    if name in RUNNER_OPTIONS:
+        return RUNNER_OPTIONS[name]
     hint = typing.get_type_hints(_optimizer_class(kind).__init__).get(name)
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     choices = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
@@ -239,30 +235,21 @@ def optimizer_kwargs(arm: Arm, preset) -> dict:
     kwargs = {k: v for k, v in base.items() if k in allowed}
     if arm.kind == "diloco":
         kwargs.update(DILOCO_SETTINGS)
-    kwargs.update({k: v for k, v in arm.options.items() if "." not in k and k not in WARMUP_OPTIONS})
+    kwargs.update({k: v for k, v in arm.options.items() if "." not in k and k not in RUNNER_OPTIONS})
     return kwargs
-
-
-def compression_warmup(arm: Arm, opt) -> CompressionWarmup | None:
-    """The arm's compression warm-up over ``opt`` (None without ``warmup_for``)."""
-    steps = arm.options.get("warmup_for", 0)
-    if not steps:
-        if {"warmup_topk", "warmup_bits"} & set(arm.options):
-            raise ValueError("warmup_topk and warmup_bits need warmup_for (the warm-up's steps)")
-        return None
-    return CompressionWarmup(opt, steps, arm.options.get("warmup_topk"), arm.options.get("warmup_bits"))
 
 
 def param_groups(arm: Arm, named_params) -> list[dict]:
     """One group per parameter kind, with the arm's ``PART.key`` settings; one plain group when the
-    arm has none. ``named_params`` are (name, parameter) pairs, e.g. ``model.named_parameters()``."""
+    arm has none (and no Muon inner optimizer, which steps the matrices' group only).
+    ``named_params`` are (name, parameter) pairs, e.g. ``model.named_parameters()``."""
     named = list(named_params)
     per_part = {}
     for key, value in arm.options.items():
         part, dot, name = key.partition(".")
         if dot:
             per_part.setdefault(part, {})[name] = value
-    if not per_part:
+    if not per_part and not wants_muon(arm.options):
         return [{"params": [p for _, p in named]}]
     groups = []
     for part in PARTS:
@@ -279,12 +266,16 @@ def build_optimizer(arm: Arm, named_params, preset, backend):
         raise ValueError(f"arm {arm.label!r} is built by the training loop on the model itself, under "
                          "torch.distributed (experiments.peer_arms)")
     kwargs = optimizer_kwargs(arm, preset)
-    groups = param_groups(arm, named_params)
+    named = list(named_params)
+    groups = param_groups(arm, named)
     if arm.kind == "adamw":
         return torch.optim.AdamW(groups, **kwargs)
     if arm.kind == "diloco":  # every coefficient of a chunk: the whole pseudo-gradient
         chunk = inspect.signature(DisTrOAdamW.__init__).parameters["compression_chunk"].default
         kwargs["compression_topk"] = kwargs.get("compression_chunk", chunk) ** 2
+    if "inner" in runner_options(arm.kind):
+        matrices = {id(p) for n, p in named if param_part(n, p) == "matrix"}
+        kwargs["inner_optimizer"] = inner_optimizer(arm.options, kwargs.get("sync_every", 1), matrices)
     return _optimizer_class(arm.kind)(groups, comm=backend, **kwargs)
 
 
@@ -296,6 +287,6 @@ def check_arm(arm: Arm, preset) -> None:
             return check_peer_options(arm.kind, optimizer_kwargs(arm, preset))
         dummies = [("embed.weight", torch.zeros(4, 2)), ("norm.weight", torch.zeros(2)), ("w", torch.zeros(2, 2))]
         opt = build_optimizer(arm, [(n, torch.nn.Parameter(t)) for n, t in dummies], preset, SingleWorkerBackend())
-        compression_warmup(arm, opt)
+        compression_warmup(arm.options, opt)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"Invalid arm {arm.label!r}: {exc}") from None

@@ -19,7 +19,8 @@ import torch
 from distro_opt.comm import CommStats, SingleWorkerBackend
 from distro_opt.shards import local
 
-from .arms import Arm, build_optimizer, compression_warmup, optimizer_kwargs
+from .arms import Arm, build_optimizer, optimizer_kwargs
+from .runner_options import compression_warmup
 from .checkpoint import CheckpointStore
 from .coordination import StopSignal
 from .data import val_batches, worker_batch
@@ -180,7 +181,7 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
         warmup = None
     else:
         opt, forward = build_optimizer(job.arm, model.named_parameters(), p, backend), model
-        warmup = compression_warmup(job.arm, opt)  # before a restore: it keeps the groups' own settings
+        warmup = compression_warmup(job.arm.options, opt)  # before a restore: it keeps the groups' own settings
     base_lrs = [g["lr"] for g in opt.param_groups]
     store = CheckpointStore(job.out, job.arm.slug, job.seed, file_world)
     state = {"step": 0, **dict.fromkeys(COUNTERS, 0), "wall_s": 0.0, **dict.fromkeys(_WARMUP_LEDGER, 0)}

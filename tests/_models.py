@@ -4,6 +4,8 @@ The classifier, its batches and its training loop: every draw is seeded (the mod
 through torch's global RNG, each batch by its own generator from ``rank`` and ``step``), so two
 runs that take the same steps end bit-identical, which the tests check with ``torch.equal``. The
 experiment runner's smallest transformer is given as the command-line flags that select it."""
+import io
+
 import torch
 
 from distro_opt import DeMo, DisTrOAdamW
@@ -30,6 +32,14 @@ def train(model, opt, steps, rank=0, start=0):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+def checkpoint_round_trip(model, opt) -> dict:
+    """The model's and the optimizer's state ("model", "opt"), through torch.save and torch.load."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf)
 
 
 # the experiment runner's smallest transformer, as its command-line flags

@@ -1,5 +1,7 @@
 """Arm specifications: parsing, option names, validation before training."""
 
+import re
+
 import pytest
 
 from distro_opt.experiments.arms import build_optimizer, check_arm, parse_arms
@@ -126,3 +128,35 @@ def test_numeric_options_take_the_optimizer_parameter_type():
 def test_arms_that_would_share_result_files_are_refused_naming_both(text, first, second):
     with pytest.raises(ValueError, match=f"'{first}' and '{second}' would share result files"):
         parse_arms(text)
+
+
+def test_inner_muon_steps_the_hidden_matrices_with_muon_and_the_rest_with_adamw():
+    import torch
+
+    from distro_opt import MuonAdamW
+    from distro_opt.experiments.model import build_model
+
+    preset = get_preset("smoke")
+    model = build_model(preset.model_config(), seed=0)
+    (arm,) = parse_arms("distro:sync_every=4,inner=muon")
+    opt = build_optimizer(arm, model.named_parameters(), preset, None)
+    assert isinstance(opt.inner_optimizer, MuonAdamW)
+    x = torch.randint(0, preset.vocab_size, (2, 16))
+    model(x).float().logsumexp(-1).mean().backward()
+    opt.step()  # an inner step
+    kinds = {n: sorted(opt.inner_optimizer.state[p]) for n, p in model.named_parameters()}
+    assert kinds["embed.weight"] == ["exp_avg", "exp_avg_sq", "step"]
+    matrices = [n for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n]
+    assert matrices and all(kinds[n] == ["momentum_buffer"] for n in matrices)
+    assert all(kinds[n] == ["exp_avg", "exp_avg_sq", "step"] for n, p in model.named_parameters() if p.dim() == 1)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("distro:inner=muon", "inner=muon is the local-step mode's inner optimizer: it needs sync_every (H) > 1"),
+    ("distro:H=4,inner=sgd", "Invalid inner optimizer 'sgd' (expected one of adamw, muon)"),
+    ("demo:inner=muon", "Unknown option 'inner' for arm 'demo'"),
+])
+def test_an_inner_optimizer_the_arm_cannot_run_is_refused_naming_it(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        for arm in parse_arms(text):
+            check_arm(arm, get_preset("smoke"))

@@ -10,7 +10,7 @@ from distro_opt import DCTTransform, DisTrOAdamW
 from distro_opt.comm import InProcessBackend
 
 import _models
-from _models import batch
+from _models import batch, checkpoint_round_trip
 
 H = 4
 
@@ -37,13 +37,6 @@ def make_opt(model, **kw):
     return DisTrOAdamW(model.parameters(), lr=0.01, sync_every=H, compression_topk=16, compression_bits=2, **kw)
 
 
-
-def _checkpoint_round_trip(model, opt):
-    """The model's and the optimizer's state, through torch.save and torch.load."""
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    return torch.load(buf)
 
 def test_takes_h_local_steps_then_exactly_one_collective():
     model = make_model()
@@ -107,7 +100,7 @@ def test_state_dict_resume_mid_interval_is_bit_identical():
     opt = make_opt(first)
     for t in range(6):  # mid-interval: 2 steps after the sync at step 4
         step(first, opt, t)
-    ckpt = _checkpoint_round_trip(first, opt)
+    ckpt = checkpoint_round_trip(first, opt)
     resumed = make_model(seed=7)
     resumed.load_state_dict(ckpt["model"])
     opt = make_opt(resumed)
@@ -260,7 +253,7 @@ def test_a_checkpoint_taken_after_add_param_group_resumes_where_both_groups_were
     opt = _two_groups(first, added_later=True)
     for t in range(6):
         step(first, opt, t)
-    ckpt = _checkpoint_round_trip(first, opt)
+    ckpt = checkpoint_round_trip(first, opt)
     resumed = make_model(seed=7)
     resumed.load_state_dict(ckpt["model"])
     opt = _two_groups(resumed, added_later=False)
