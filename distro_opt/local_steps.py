@@ -246,5 +246,5 @@ def synced_parameters(param_groups, state):
         yield
     finally:
         with torch.no_grad():
-            for p, local in swapped:
-                p.copy_(local)
+            for p, own in swapped:
+                p.copy_(own)
