@@ -76,6 +76,24 @@ def test_a_resumed_muon_adamw_takes_the_uninterrupted_steps_bit_for_bit():
     assert same(model, twin)
 
 
+def test_a_group_added_later_takes_adamw_steps_and_the_first_ones_keep_their_state():
+    model, twin = make_model(), make_model()
+    first, rest = groups(model)
+    opt = MuonAdamW([first], lr=LR, weight_decay=WD, muon_groups=[0])
+    muon, adamw = reference(twin)
+    biases = [m[i].bias for m in (model, twin) for i in (0, 2)]
+    for b in biases:  # not trained before their group is added
+        b.requires_grad_(False)
+    train(model, opt, steps=2)
+    train(twin, muon, steps=2)
+    for b in biases:
+        b.requires_grad_(True)
+    opt.add_param_group({**rest, "weight_decay": WD})
+    train(model, opt, steps=2, start=2)
+    train(twin, Both(muon, adamw), steps=2, start=2)
+    assert same(model, twin)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(muon_groups=[1]), ValueError, r"group 1 takes Muon, which steps 2-D parameters only; it holds shapes \[\(32,\), \(4,\)\]"),
     (dict(muon_groups=[2]), ValueError, r"Invalid muon_groups: \[2\] \(indices of the 2 groups\)"),
