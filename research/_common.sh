@@ -13,6 +13,19 @@ run() {  # run NAME ARGS...: one experiments.run into $OUT/NAME, unless it alrea
     fi
 }
 
+run_ranks() {  # run_ranks N NAME ARGS...: the same under torchrun on N local ranks (peer arms); such
+    # runs do not resume, so an unfinished one starts over
+    local n=$1 name=$2
+    shift 2
+    if [ -f "$OUT/$name/summary.json" ]; then
+        echo "== $name: done already"
+        return
+    fi
+    rm -rf "$OUT/$name"
+    OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
+        -m experiments.run --no-progress --torch-threads 1 --out "$OUT/$name" "$@"
+}
+
 canterbury_corpus() {  # canterbury_corpus DIR: three Canterbury-corpus texts in DIR, prepared
     # From the test data of the PyPI sdist brotli==1.2.1 (network access to PyPI once): Alice in
     # Wonderland, Paradise Lost, a technical lecture (Shakespeare's asyoulik.txt left out).

@@ -38,6 +38,17 @@ run ca-wu "${TUNED[@]}" --corpus "$CORPUS" --arms "$WARM"
 run sh-wu3 "${TUNED[@]}" --arms "$WARM3"
 run ca-wu3 "${TUNED[@]}" --corpus "$CORPUS" --arms "$WARM3"
 run ca-wu2 "${TUNED[@]}" --corpus "$CORPUS" --arms "$WARM2"
+# local steps: the inner lr grid widened to 1x (the best point above was on its low edge) and 0.5x,
+# the outer lr to 0.5; the same arm with Muon as the inner optimizer (MuLoCo) on the same grid
+run sh-l2 --preset smoke --seeds 0,1 --sweep "lr=0.5x,1x;outer_lr=0.5,0.7" --arms "$LOCAL"
+run sh-l3 --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x;outer_lr=0.7,1" --arms "$LOCAL"
+run sh-l8 --preset smoke --seeds 0,1 --sweep "lr=8x;outer_lr=0.7,1" --arms "$LOCAL"
+run sh-mu --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x;outer_lr=0.7,1" --arms "$LOCAL,inner=muon"
+run sh-mu8 --preset smoke --seeds 0,1 --sweep "lr=8x;outer_lr=0.7,1" --arms "$LOCAL,inner=muon"
+# the peers' own code, 4 torch.distributed ranks per point, and the AdamW they pair with
+run sh-a "${TUNED[@]}" --arms adamw
+run_ranks 4 sh-ps4 "${TUNED[@]}" --arms "powersgd:rank=4,start_iter=30"
+run_ranks 4 sh-ps1 "${TUNED[@]}" --arms "powersgd:rank=1,start_iter=30"
 run sh-clip "${TUNED[@]}" --grad-clip 1 --arms "adamw,$UNIFORM"
 run ca-clip "${TUNED[@]}" --grad-clip 1 --corpus "$CORPUS" --arms "adamw,$UNIFORM"
 "$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-t3" "$OUT/sh-l" "$OUT/sh-wu" "$OUT/sh-wu2" "$OUT/sh-wu3" --out "$OUT/frontier-tuned-sh" --force
