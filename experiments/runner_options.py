@@ -13,8 +13,7 @@ from distro_opt import CompressionWarmup, MuonAdamW
 WARMUP_OPTIONS = {"warmup_for": int, "warmup_topk": int, "warmup_bits": int}
 INNER_OPTIMIZERS = ("adamw", "muon")
 RUNNER_OPTIONS = {**WARMUP_OPTIONS, "inner": str}
-_KINDS = {"warmup_for": ("distro", "demo"), "warmup_topk": ("distro", "demo"), "warmup_bits": ("distro", "demo"),
-          "inner": ("distro", "diloco")}
+_KINDS = {**dict.fromkeys(WARMUP_OPTIONS, ("distro", "demo")), "inner": ("distro", "diloco")}  # who takes each
 
 
 def runner_options(kind: str) -> set[str]:
