@@ -49,6 +49,12 @@ run sh-mu8 --preset smoke --seeds 0,1 --sweep "lr=8x;outer_lr=0.7,1" --arms "$LO
 run sh-a "${TUNED[@]}" --arms adamw
 run_ranks 4 sh-ps4 "${TUNED[@]}" --arms "powersgd:rank=4,start_iter=30"
 run_ranks 4 sh-ps1 "${TUNED[@]}" --arms "powersgd:rank=1,start_iter=30"
+run_ranks 4 sh-dp4 "${TUNED[@]}" --arms "demo-peer:topk=4"  # the DeMo port at our defaults' top-k
+# the local-step arm and its Muon version on the second text, the same grid for both
+LOCAL_GRID="lr=1x,2x,4x,8x;outer_lr=0.7,1"
+run ca-a "${TUNED[@]}" --corpus "$CORPUS" --arms adamw
+run ca-mu --preset smoke --seeds 0,1 --sweep "$LOCAL_GRID" --corpus "$CORPUS" --arms "$LOCAL,inner=muon"
+run ca-l4 --preset smoke --seeds 0,1 --sweep "$LOCAL_GRID" --corpus "$CORPUS" --arms "$LOCAL"
 run sh-clip "${TUNED[@]}" --grad-clip 1 --arms "adamw,$UNIFORM"
 run ca-clip "${TUNED[@]}" --grad-clip 1 --corpus "$CORPUS" --arms "adamw,$UNIFORM"
 "$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-t3" "$OUT/sh-l" "$OUT/sh-wu" "$OUT/sh-wu2" "$OUT/sh-wu3" --out "$OUT/frontier-tuned-sh" --force
