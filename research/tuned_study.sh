@@ -47,6 +47,7 @@ run sh-mu --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x;outer_lr=0.7,1" --arms
 run sh-mu8 --preset smoke --seeds 0,1 --sweep "lr=8x;outer_lr=0.7,1" --arms "$LOCAL,inner=muon"
 # the peers' own code, 4 torch.distributed ranks per point, and the AdamW they pair with
 run sh-a "${TUNED[@]}" --arms adamw
+run sh-d "${TUNED[@]}" --arms distro  # the defaults on the same machine as the peers
 run_ranks 4 sh-ps4 "${TUNED[@]}" --arms "powersgd:rank=4,start_iter=30"
 run_ranks 4 sh-ps1 "${TUNED[@]}" --arms "powersgd:rank=1,start_iter=30"
 run_ranks 4 sh-dp4 "${TUNED[@]}" --arms "demo-peer:topk=4"  # the DeMo port at our defaults' top-k
