@@ -1,7 +1,16 @@
-"""Waiting for the processes a test started, with one deadline for all of them."""
+"""Starting and waiting for the processes a test starts: one deadline for all of them, and Ctrl-C
+delivered as a terminal would."""
 from __future__ import annotations
 
+import signal
 import time
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` of a process that a test interrupts with SIGINT: a shell starts a command in the
+    background with SIGINT ignored, its children inherit that, and Python then never raises
+    KeyboardInterrupt; a terminal's Ctrl-C reaches a program with SIGINT at its default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_all(procs, timeout_s: float, stdout: bool = False) -> list[tuple]:

@@ -24,7 +24,7 @@ from distro_opt.experiments.process_group import one_machine_env
 from distro_opt.experiments.presets import get_preset
 
 from _models import tiny_args
-from _procs import wait_all
+from _procs import default_sigint, wait_all
 
 COMPARED = (
     "train_loss",
@@ -354,7 +354,8 @@ def test_worker_replicas_stay_identical(straight):
 
 def _run_and_interrupt(args, out, sig, after_rows):
     cmd = [sys.executable, "-m", "distro_opt.experiments.run", *args]
-    proc = subprocess.Popen(cmd, cwd=out.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=out.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if len(read_metrics(out / "metrics.jsonl")) >= after_rows:

@@ -15,7 +15,7 @@ import time
 from distro_opt.experiments.process_group import one_machine_env
 
 from _models import TINY_TRANSFORMER_FLAGS
-from _procs import wait_all
+from _procs import default_sigint, wait_all
 
 
 def run_args(corpus, out, cache=None, steps=4, arms="distro"):
@@ -32,7 +32,8 @@ def start_ranks(tmp_path, rank_args, rendezvous):
     return [subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.run", *map(str, args)],
                              cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                 **one_machine_env(rank, 2, rendezvous)},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=default_sigint)
             for rank, args in enumerate(rank_args)]
 
 

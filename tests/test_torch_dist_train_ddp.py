@@ -23,7 +23,7 @@ from distro_opt.experiments import train_ddp
 from distro_opt.experiments.process_group import one_machine_env
 from distro_opt.experiments.train_ddp import TrainConfig, train
 
-from _procs import wait_all
+from _procs import default_sigint, wait_all
 
 
 def two_ranks(tmp_path, rank_args, timeout_s=40):
@@ -258,7 +258,7 @@ def test_ctrl_c_on_every_rank_is_one_line_and_exit_130_and_the_rendezvous_file_i
                                    "--steps", "100000", "--timeout-s", "20", *([] if rank == 0 else ["--no-log"])],
                                   env={**os.environ, "OMP_NUM_THREADS": "1",
                                        **one_machine_env(rank, 2, rendezvous)},
-                                  stdout=out, stderr=subprocess.PIPE, text=True)
+                                  stdout=out, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
                  for rank in range(2)]
         deadline = time.monotonic() + 30
         while "step    3 |" not in log.read_text():
