@@ -5,6 +5,9 @@ tied embeddings), or with ``--model 1.2b`` the DisTrO report's (16 layers, width
 vocab 32000, tied here: 1.14B parameters; for a GPU, ~80 GB with all arms). Gradients are random;
 one worker (the collective is then a local copy), so what is timed is the optimizer's own work:
 DCT, top-k, quantization, packing, decoding, aggregation.
+"ops per step" counts the aten operations one step dispatches, views left out (after the timed
+rounds): on a GPU each is about one kernel launch, and where the step is bound by the host (a GPU at
+these sizes), the launches are its time. The native DCT kernel's work is one call, not counted.
 The arms are timed in interleaved rounds so machine noise hits them alike; the table reports the
 median per-step time and the median over rounds of the ratio to AdamW within each round. On the CPU
 its header names the CPU and gives two quick probes taken after the rounds, float32 GEMM GFLOP/s and
@@ -20,6 +23,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distro_opt import DCTTransform, DeMo, DisTrOAdamW, native
 from distro_opt.cli_args import at_least
@@ -117,6 +121,25 @@ def time_steps(opt, params, grads, steps):
     return (time.perf_counter() - start) / steps
 
 
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations dispatched inside the block, views (which launch nothing) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(opt) -> int:
+    """The aten operations of one more step of ``opt`` (its gradients already in place)."""
+    with CountOps() as counter:
+        opt.step()
+    return counter.count
+
+
 def timing_setup(description, argv, threads=2, rounds=5, steps=20, extra=None):
     """Parse the timing options shared by the benchmarks (``extra(parser)`` adds more), set torch's
     threads and seed."""
@@ -202,6 +225,7 @@ def main(argv=None):
     for _ in range(args.rounds):
         for opt, params, grads, times in setups.values():
             times.append(time_steps(opt, params, grads, args.steps))
+    ops = {name: ops_per_step(opt) for name, (opt, _, _, _) in setups.items()}
     dense_bf16 = 2 * nparams
     if device.type == "cpu":  # the machine's probes run after the timed rounds, so as not to disturb them
         threads = torch.get_num_threads()
@@ -210,8 +234,8 @@ def main(argv=None):
     else:
         where = torch.cuda.get_device_name(device)
     print(f"{nparams / 1e6:.2f}M parameters, {where}, torch {torch.__version__}\n")
-    print("| optimizer | step (ms) | vs AdamW | bytes sent per step | bytes/param | vs dense bf16 |")
-    print("|---|---|---|---|---|---|")
+    print("| optimizer | step (ms) | vs AdamW | ops per step | bytes sent per step | bytes/param | vs dense bf16 |")
+    print("|---|---|---|---|---|---|---|")
     for name, (opt, _, _, times) in setups.items():
         ms = statistics.median(times) * 1e3
         # the ratio is taken within each round (AdamW timed right before), then the median over rounds:
@@ -224,7 +248,7 @@ def main(argv=None):
             cols = "dense gradient (all-reduce) | 2 (bf16) | 1x"
         else:
             cols = f"{nbytes:,} | {nbytes / nparams:.4f} | {dense_bf16 / nbytes:,.0f}x"
-        print(f"| {name} | {ms:.1f} | {ratio:.2f}x | {cols} |")
+        print(f"| {name} | {ms:.1f} | {ratio:.2f}x | {ops[name]:,} | {cols} |")
 
 
 if __name__ == "__main__":

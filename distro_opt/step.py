@@ -202,8 +202,9 @@ def apply_update(
     entries, layout: PayloadLayout, unpacked, states, transform, rule_of, untrusted_fraction=0.0
 ) -> None:
     """Stages 8-10: per segment, the aggregate of the unpacked payloads, its inverse transform U per
-    parameter, and ``rule_of(group)(group, p, U, state)`` (``updates.py``). With no payload at all
-    U is zero (the rule still runs: the local-step mode's outer step moves on its momentum).
+    parameter, and ``rule_of(group).apply(group, params, Us, states)`` (``updates.py``) on each group's
+    parameters in the segment. With no payload at all U is zero (the rule still runs: the local-step
+    mode's outer step moves on its momentum).
     ``untrusted_fraction`` > 0 (the backend's, for runs open to strangers) takes the trimmed mean of
     ``robust.py`` instead of DeMo's aggregate.
 
@@ -229,8 +230,12 @@ def apply_update(
         # the number 1.0, which torch wraps once per tensor)
         steps = [st["step"] for st in seg_states]
         torch._foreach_add_(steps, [torch.ones((), dtype=steps[0].dtype)] * len(steps))
+        by_group: dict[int, tuple[dict, list]] = {}  # each group's rule updates its tensors together
         for m, p, state, direction in zip(seg.members, params, seg_states, directions):
             if not p.is_contiguous():  # no blocked view of p: bring the direction to p's layout
                 direction = direction.reshape(p.shape)
             group = entries[m][0]
-            rule_of(group)(group, p, direction, state)
+            by_group.setdefault(id(group), (group, []))[1].append((p, direction, state))
+        for group, items in by_group.values():
+            ps, us, sts = (list(column) for column in zip(*items))
+            rule_of(group).apply(group, ps, us, sts)

@@ -37,6 +37,22 @@ def test_one_short_round_prints_every_arm_the_machine_and_the_payload_bytes(benc
         opt = bench.ARMS[name](params)
         assert isinstance(opt, (DisTrOAdamW, DeMo))
         assert f"| {opt.payload_nbytes:,} |" in rows[name]
+    ops = {name: int(line.split("|")[4].replace(",", "")) for name, line in rows.items() if name in bench.ARMS}
+    assert all(n > 0 for n in ops.values())
+
+
+def test_ops_per_step_counts_each_operation_and_leaves_views_out(bench):
+    class Step:
+        def __init__(self):
+            self.x = torch.zeros(4, 4)
+
+        def step(self):
+            self.x.add_(1)
+            y = self.x.view(-1)[2:].t()  # views only: nothing to launch
+            y.mul_(2)
+            torch._foreach_add_([self.x, y], 1.0)  # one op for both tensors
+
+    assert bench.ops_per_step(Step()) == 3
 
 
 def test_an_unknown_device_is_refused_with_a_clear_message(bench, capsys):

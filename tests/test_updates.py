@@ -136,3 +136,30 @@ def test_weight_decay_of_groups_with_their_own_learning_rates():
         want_a.mul_(1 - 0.1 * 0.1)
         want_b.mul_(1 - 0.3 * 0.2)
         assert torch.equal(a.detach(), want_a) and torch.equal(b.detach(), want_b)
+
+
+@pytest.mark.parametrize("lr", [0.01, torch.tensor(0.01)], ids=["number lr", "tensor lr"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_sign_rule_on_a_whole_group_is_the_rule_written_tensor_by_tensor(lr, weight_decay):
+    """The sign rule updates a group's tensors together (foreach ops); the result must be, bit for
+    bit, ``p *= 1 - lr * wd; p -= lr * sign(U)`` applied to each tensor on its own, whatever mix of
+    dtypes, layouts and zeros in U the group holds."""
+    from distro_opt.updates import SignUpdate, WeightDecay
+
+    gen = torch.Generator().manual_seed(0)
+    shapes_dtypes = [((8, 4), torch.float32), ((3,), torch.bfloat16), ((4, 4), torch.float16),
+                     ((5, 2), torch.float64), ((6, 4), torch.float32)]
+    params = [torch.randn(s, generator=gen).to(d) for s, d in shapes_dtypes]
+    params[-1] = params[-1].t()  # a non-contiguous parameter, its U in its own shape
+    directions = [torch.randn(p.shape, generator=gen, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+                  for p in params]
+    directions[0][0] = 0.0  # sign(0) = 0: such entries stay where they are
+    group = {"lr": lr, "weight_decay": weight_decay}
+
+    want = [p.clone() for p in params]
+    for p, d in zip(want, directions):
+        p.mul_(1 - lr * weight_decay)
+        p.add_(torch.sign(d).to(p.dtype), alpha=-lr)
+    SignUpdate(WeightDecay()).apply(group, params, [d.clone() for d in directions], [{} for _ in params])
+    for got, expected in zip(params, want):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
