@@ -174,17 +174,17 @@ def test_timeout_message_shows_sub_second_timeouts():
 
 
 _INTERRUPT_SCRIPT = r"""
-import _thread, json, signal, time
+import _thread, json, signal, sys, time
 import torch
 from distro_opt.comm import InProcessBackend, InProcessGroupError
 
-JOB_S = 10.0
+JOB_S = float(sys.argv[1])
 ended = {}
 # a shell that starts a command in the background makes it ignore SIGINT, and interrupt_main() then
 # does nothing: give this process Python's own Ctrl-C handler, as a terminal's foreground job has
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-def worker(backend):  # a 10 s job; rank 1 sends the Ctrl-C, then blocks in the collective
+def worker(backend):  # a JOB_S job; rank 1 sends the Ctrl-C, then blocks in the collective
     try:
         for i in range(40):
             if backend.rank == 0:
@@ -210,11 +210,11 @@ print(json.dumps({"raised_after_s": raised, "ended": ended}))
 
 def test_an_interrupt_in_the_caller_aborts_the_group_without_waiting_for_the_jobs():
     # In a process of its own, so that setting the SIGINT handler changes nothing in this one.
+    job_s = 10.0
     out = subprocess.run(
-        [sys.executable, "-c", _INTERRUPT_SCRIPT], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", _INTERRUPT_SCRIPT, str(job_s)], capture_output=True, text=True, timeout=60, check=True
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    job_s = 10.0
     assert result["raised_after_s"] is not None and result["raised_after_s"] < job_s / 2, result
     assert sorted(result["ended"]) == ["0", "1"], result
     assert all(t < job_s / 2 and "interrupted by KeyboardInterrupt" in m for t, m in result["ended"].values())
