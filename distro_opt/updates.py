@@ -5,9 +5,9 @@ param group, ``rule(group, p, U, state)`` one of them. ``group`` holds the numbe
 ``state`` is ``optimizer.state[p]``, and U comes in the transform's blocked layout, which
 ``p.view(U.shape)`` lines up with element for element (``DCTTransform.inverse_sparse_pieces``). The
 per-step rules first apply decoupled weight decay, ``p *= 1 - lr * weight_decay`` (Loshchilov &
-Hutter 2019), through the optimizer's ``WeightDecay``. The sign rule, the default, updates a whole
-group with torch's foreach ops (a few kernels for all of its tensors instead of three per tensor:
-on a GPU the step is bound by the host's launches); the others go tensor by tensor.
+Hutter 2019), through the optimizer's ``WeightDecay``. The sign and Adam rules update a whole group
+with torch's foreach ops (a few kernels for all of its tensors instead of several per tensor: on a
+GPU the step is bound by the host's launches); the others go tensor by tensor.
 
 * ``SignUpdate``: ``p -= lr * sign(U)``, DeMo's update.
 * ``RmsUpdate``: ``p -= lr * U / rms(U)``, the RMS over the tensor: the sign step's size, U's shape.
@@ -131,26 +131,41 @@ class AdamUpdate(DecayingRule):
     as torch's AdamW(amsgrad=True). The moments live in ``state`` in the momentum's dtype."""
 
     def __call__(self, group, p, direction, state) -> None:
-        target = p.view(direction.shape)
-        self.weight_decay(group, p)
-        if "exp_avg" not in state:
-            state["exp_avg"] = _zeros_like_param(p, direction.dtype)
-            state["exp_avg_sq"] = _zeros_like_param(p, direction.dtype)
+        self.apply(group, [p], [direction], [state])
+
+    def apply(self, group, params, directions, states) -> None:
+        """One group's tensors together, with foreach ops (the step count t may differ by tensor)."""
+        self.weight_decay.apply(group, params)
         beta1, beta2 = group["betas"]
-        t = float(state["step"])
-        m, v = state["exp_avg"].view(direction.shape), state["exp_avg_sq"].view(direction.shape)
-        m.lerp_(direction, 1 - beta1)
-        v.mul_(beta2).addcmul_(direction, direction, value=1 - beta2)
+        for p, d, state in zip(params, directions, states):
+            if "exp_avg" not in state:
+                state["exp_avg"] = _zeros_like_param(p, d.dtype)
+                state["exp_avg_sq"] = _zeros_like_param(p, d.dtype)
+            if group["amsgrad"] and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = _zeros_like_param(p, d.dtype)
+        ms = [st["exp_avg"].view(d.shape) for st, d in zip(states, directions)]
+        vs = [st["exp_avg_sq"].view(d.shape) for st, d in zip(states, directions)]
+        torch._foreach_lerp_(ms, directions, 1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, directions, directions, value=1 - beta2)
         if group["amsgrad"]:
-            if "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = _zeros_like_param(p, direction.dtype)
-            v_max = state["max_exp_avg_sq"].view(direction.shape)
-            v = torch.maximum(v_max, v, out=v_max)
-        denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-        if p.dtype == denom.dtype:
-            target.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1**t))
-        else:  # the ratio in the momentum's dtype: eps (1e-8) is 0 in float16, and 0 / 0 is NaN
-            target.add_((m / denom).to(p.dtype), alpha=-group["lr"] / (1 - beta1**t))
+            v_maxes = [st["max_exp_avg_sq"].view(d.shape) for st, d in zip(states, directions)]
+            torch._foreach_maximum_(v_maxes, vs)
+            vs = v_maxes
+        ts = [float(st["step"]) for st in states]
+        denoms = torch._foreach_div(vs, [1 - beta2**t for t in ts])
+        torch._foreach_sqrt_(denoms)
+        torch._foreach_add_(denoms, group["eps"])
+        lr = group["lr"]
+        targets = [p.view(d.shape) for p, d in zip(params, directions)]
+        if not isinstance(lr, torch.Tensor) and all(p.dtype == d.dtype for p, d in zip(params, denoms)):
+            torch._foreach_addcdiv_(targets, ms, denoms, [-lr / (1 - beta1**t) for t in ts])
+            return
+        for p, target, m, denom, t in zip(params, targets, ms, denoms, ts):
+            if p.dtype == denom.dtype:
+                target.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+            else:  # the ratio in the momentum's dtype: eps (1e-8) is 0 in float16, and 0 / 0 is NaN
+                target.add_((m / denom).to(p.dtype), alpha=-lr / (1 - beta1**t))
 
 
 class OuterUpdate(UpdateRule):

@@ -163,3 +163,40 @@ def test_the_sign_rule_on_a_whole_group_is_the_rule_written_tensor_by_tensor(lr,
     SignUpdate(WeightDecay()).apply(group, params, [d.clone() for d in directions], [{} for _ in params])
     for got, expected in zip(params, want):
         assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("lr", [0.01, torch.tensor(0.01)], ids=["number lr", "tensor lr"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_the_adam_rule_on_a_whole_group_is_adamw_written_tensor_by_tensor(lr, amsgrad):
+    """The Adam rule's foreach path against AdamW's formula applied to each tensor on its own, bit for
+    bit, over three steps, with tensors at different step counts (one joined the group late) and
+    of different dtypes (the moments in float32, or float64 for a float64 parameter)."""
+    from distro_opt.updates import AdamUpdate, WeightDecay
+
+    gen = torch.Generator().manual_seed(1)
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float32]
+    params = [torch.randn(6, 4, generator=gen).to(d) for d in dtypes]
+    group = {"lr": lr, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "amsgrad": amsgrad}
+    rule, states = AdamUpdate(WeightDecay()), [{"step": torch.tensor(float(i == 3))} for i in range(4)]
+    want = [p.clone() for p in params]
+    moments = [[torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+                for _ in range(3)] for p in params]
+    for _ in range(3):
+        directions = [torch.randn(p.shape, generator=gen, dtype=moments[i][0].dtype) for i, p in enumerate(params)]
+        for st in states:
+            st["step"] += 1
+        for p, u, (m, v, v_max), st in zip(want, directions, moments, states):
+            t = float(st["step"])
+            p.mul_(1 - lr * 0.1)
+            m.lerp_(u, 1 - 0.9)
+            v.mul_(0.95).addcmul_(u, u, value=1 - 0.95)
+            if amsgrad:
+                torch.maximum(v_max, v, out=v_max)
+            denom = ((v_max if amsgrad else v) / (1 - 0.95**t)).sqrt_().add_(1e-8)
+            if p.dtype == denom.dtype:
+                p.addcdiv_(m, denom, value=-lr / (1 - 0.9**t))
+            else:
+                p.add_((m / denom).to(p.dtype), alpha=-lr / (1 - 0.9**t))
+        rule.apply(group, params, [u.clone() for u in directions], states)
+        for got, expected in zip(params, want):
+            assert torch.equal(got, expected)
