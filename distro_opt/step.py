@@ -208,8 +208,9 @@ def apply_update(
     ``untrusted_fraction`` > 0 (the backend's, for runs open to strangers) takes the trimmed mean of
     ``robust.py`` instead of DeMo's aggregate.
 
-    U comes in the transform's blocked layout (``DCTTransform.inverse_sparse_pieces``), which a contiguous
-    parameter's view lines up with element for element."""
+    U comes in the transform's blocked layout (``DCTTransform.inverse_sparse_groups``), which a
+    contiguous parameter's view lines up with element for element, in lists that share a workspace
+    (one per slab of the CPU's inverse GEMM): each list is applied before the next is computed."""
     for j, seg in enumerate(layout.segments):
         params = [entries[m][1] for m in seg.members]
         seg_states = [states[m] for m in seg.members]
@@ -220,22 +221,28 @@ def apply_update(
             else:
                 idx, weights = aggregate(seg, contributions, like=like)
             pieces = [(a, b, tuple(p.shape)) for p, (a, b) in zip(params, seg.rows)]
-            directions = transform.inverse_sparse_pieces(idx, weights, seg.chunk, pieces)
+            # lists of directions usable together (a list's workspace may be reused for the next)
+            direction_lists = transform.inverse_sparse_groups(idx, weights, seg.chunk, pieces)
         else:
-            directions = [
+            direction_lists = [[
                 torch.zeros(transform.blocked_shape(p.shape, seg.chunk), dtype=st["delta"].dtype, device=p.device)
                 for p, st in zip(params, seg_states)
-            ]
+            ]]
         # applied updates counted alike on every worker (one 0-d tensor added to all: faster than
         # the number 1.0, which torch wraps once per tensor)
         steps = [st["step"] for st in seg_states]
         torch._foreach_add_(steps, [torch.ones((), dtype=steps[0].dtype)] * len(steps))
-        by_group: dict[int, tuple[dict, list]] = {}  # each group's rule updates its tensors together
-        for m, p, state, direction in zip(seg.members, params, seg_states, directions):
-            if not p.is_contiguous():  # no blocked view of p: bring the direction to p's layout
-                direction = direction.reshape(p.shape)
-            group = entries[m][0]
-            by_group.setdefault(id(group), (group, []))[1].append((p, direction, state))
-        for group, items in by_group.values():
-            ps, us, sts = (list(column) for column in zip(*items))
-            rule_of(group).apply(group, ps, us, sts)
+        done = 0
+        for directions in direction_lists:
+            members = range(done, done + len(directions))
+            done += len(directions)
+            by_group: dict[int, tuple[dict, list]] = {}  # each group's rule updates its tensors together
+            for i, direction in zip(members, directions):
+                p = params[i]
+                if not p.is_contiguous():  # no blocked view of p: bring the direction to p's layout
+                    direction = direction.reshape(p.shape)
+                group = entries[seg.members[i]][0]
+                by_group.setdefault(id(group), (group, []))[1].append((p, direction, seg_states[i]))
+            for group, items in by_group.values():
+                ps, us, sts = (list(column) for column in zip(*items))
+                rule_of(group).apply(group, ps, us, sts)

@@ -111,24 +111,30 @@ class DCTTransform:
         Yields each tensor in turn in the blocked layout, shape ``blocked_shape(shape, chunk)``, as a
         view that is not necessarily contiguous: a contiguous tensor of ``shape`` viewed the same way
         lines up element for element, so an update needs no copy back to the tensor's own layout.
-        A yielded view may share a workspace of this transform: use it before asking for the next.
+        A yielded view may share a workspace of this transform: use it before asking for the next
+        (``inverse_sparse_groups`` says which views can be used together)."""
+        for group in self.inverse_sparse_groups(idx, values, chunk, pieces):
+            yield from group
+
+    def inverse_sparse_groups(self, idx: torch.Tensor, values: torch.Tensor, chunk, pieces):
+        """``inverse_sparse_pieces``, yielded as lists of consecutive pieces' views that stay valid
+        together: use a list before asking for the next, which may overwrite its workspace.
 
         With few coefficients per chunk (m < the sum of the chunk's sides) each chunk is a product of
         its m first-axis basis rows and m last-axis basis rows (a batched GEMM with inner size m),
         cheaper than the dense inverse; otherwise the dense inverse. On the CPU that GEMM runs on
-        consecutive pieces of about ``gemm.SLAB_NUMEL`` elements at a time, into one workspace, so
-        the update reads each piece back from cache."""
+        consecutive pieces of about ``gemm.SLAB_NUMEL`` elements at a time (one list each), into one
+        workspace, so the update reads each piece back from cache; elsewhere all pieces are one list."""
         if len(chunk) > 2 or idx.shape[1] >= sum(chunk):
             dense = torch.zeros(idx.shape[0], math.prod(chunk), dtype=values.dtype, device=values.device)
             dense.scatter_add_(1, idx, values)
-            for a, b, shape in pieces:
-                yield self.from_coefficient_rows(dense[a:b], shape, chunk).view(dct.blocked_shape(shape, chunk))
+            yield [self.from_coefficient_rows(dense[a:b], shape, chunk).view(dct.blocked_shape(shape, chunk))
+                   for a, b, shape in pieces]
             return
         last = self.gemm.rows(chunk[-1], values, idx % chunk[-1]) * values.unsqueeze(-1)  # (B, m, c_last)
         if len(chunk) == 1:
             y = last.sum(1)
-            for a, b, shape in pieces:
-                yield dct.blocked(y[a:b], tuple(shape) or (1,), chunk)
+            yield [dct.blocked(y[a:b], tuple(shape) or (1,), chunk) for a, b, shape in pieces]
             return
         first = self.gemm.rows(chunk[0], values, idx // chunk[-1]).transpose(1, 2)  # (B, c_first, m)
         per = gemm_module.SLAB_NUMEL // math.prod(chunk) if values.device.type == "cpu" else idx.shape[0]
@@ -136,8 +142,7 @@ class DCTTransform:
             lo, hi = group[0][0], group[-1][1]
             y = self.gemm.workspace("inverse", (hi - lo, *chunk), values)
             torch.bmm(first[lo:hi], last[lo:hi], out=y)
-            for a, b, shape in group:
-                yield dct.blocked(y[a - lo : b - lo], tuple(shape) or (1,), chunk)
+            yield [dct.blocked(y[a - lo : b - lo], tuple(shape) or (1,), chunk) for a, b, shape in group]
 
     def inverse_sparse(self, idx: torch.Tensor, values: torch.Tensor, shape, chunk) -> torch.Tensor:
         """``from_coefficient_rows`` of one tensor's coefficients given as (indices, values) per chunk."""

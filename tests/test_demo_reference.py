@@ -4,7 +4,7 @@ import pytest
 import scipy.fft
 import torch
 
-from distro_opt import DeMo, DisTrOAdamW, reference
+from distro_opt import DeMo, DisTrOAdamW, gemm, reference
 from distro_opt.comm import InProcessBackend
 
 
@@ -179,13 +179,19 @@ def test_the_products_reference_step_matches_the_scipy_reference(world_size):
         assert not (differ & ~ties).any(), f"{(differ & ~ties).sum()} entries differ without a sign tie"
 
 
+@pytest.mark.parametrize("slab", ["default slab", "small slab"])
 @pytest.mark.parametrize("cls, input_scale", [(DeMo, 0.01), (DisTrOAdamW, 1.0)])
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_the_fast_step_matches_the_reference_step(cls, input_scale, world_size):
+def test_the_fast_step_matches_the_reference_step(cls, input_scale, world_size, slab, monkeypatch):
     """The optimizers' step (segments, own-layout coefficients, top-k over runs, the wire format)
     against ``distro_opt.reference`` in float64 with exact values: DeMo scales its input by the lr,
-    DisTrOAdamW does not."""
-    init, grads = _data(SHAPES, world_size, steps=4, seed=4)
+    DisTrOAdamW does not. With a small slab the CPU's inverse GEMM reuses its workspace several
+    times within a segment (as a real model's segments do), here three same-shape matrices."""
+    shapes = SHAPES
+    if slab == "small slab":
+        monkeypatch.setattr(gemm, "SLAB_NUMEL", 5 * 16 * 16)  # 5 chunks of 16 x 16 per slab
+        shapes = SHAPES + [(48, 64), (48, 64)]
+    init, grads = _data(shapes, world_size, steps=4, seed=4)
     want = _reference_run(init, grads, REFERENCE_SETTINGS, input_scale=input_scale, lr=0.01)
 
     def worker(backend):
