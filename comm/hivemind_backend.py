@@ -9,14 +9,17 @@ One ``all_gather`` is one *round* (numbered by step) in two phases, both under o
 2. agree (until ``0.8 * step_timeout_s``): send every peer whose payload we hold a vote (the digests
    of all payloads we hold); wait for their votes; the contributors are ``hivemind_wire.agree``: the
    payloads held by everyone who voted, sorted by peer id, so every peer reduces in the same order.
+   When ``untrusted_fraction`` > 0, a vote that lacks most of the other payloads is refused first
+   (its voter's payload with it), so that one rogue cannot veto the honest payloads.
 
 A round holds only what this peer checked itself: a payload counts when it came on its sender's own
 stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; no
 vote makes this peer apply bytes it did not receive. Nothing is relayed: a peer that finds the step
 finished without it (an admitted peer answered LATE and never sent its payload) abstains, applies
-nothing and sets ``out_of_sync``, so that the program reloads state. When every vote reaches every voter, all peers
-compute the same set; what can still slip through (a peer that vanishes between its votes; two
-client-mode peers that never reach each other; a voter that tells peers different things) is caught
+nothing and sets ``out_of_sync``, so that the program reloads state. When every vote reaches every
+voter, all peers compute the same set; what can still slip through (a peer that vanishes between its
+votes; two client-mode peers that never reach each other; a voter that tells peers different things;
+a peer whose vote was refused because it received too little in time) is caught
 by the replica checksum the peer program compares through the DHT every K steps
 (``publish_checksum``/``compare_checksum``): a peer in the minority reloads state.
 
@@ -25,8 +28,9 @@ must be made with ``identity_path=`` (the key to sign with). ``allow_peers`` gua
 peer serves and the checksum majority. The backend never looks inside a payload: it enforces sizes
 (a length field above this peer's own payload's closes the stream unread) and excludes a sender for
 ``exclude_s`` for a wrong size, a payload ``payload_validator`` rejects, or one the optimizer reports
-(``report_invalid``). ``untrusted_fraction`` > 0 tells the optimizer that up to that share of the
-contributors may be rogues (it then aggregates with a trimmed mean, ``distro_opt/robust.py``).
+(``report_invalid``). ``untrusted_fraction`` > 0 says that up to that share of the
+contributors may be rogues: the vote refuses ballots that veto most of a step, and the optimizer
+aggregates with a trimmed mean (``distro_opt/robust.py``).
 ``stats`` counts the gather streams' bytes, ``state_stats`` the state streams'.
 
 NAT: a ``client_mode=True`` peer accepts no streams; it opens one to every server, which answers on
@@ -90,16 +94,14 @@ class HivemindBackend(Backend):
             run_id, step_timeout_s=step_timeout_s, gather_fraction=gather_fraction, exclude_s=exclude_s,
             heartbeat_s=heartbeat_s, ttl_s=ttl_s, max_peers=max_peers, max_state_nbytes=max_state_nbytes,
             state_timeout_s=state_timeout_s, startup_timeout_s=startup_timeout_s,
+            untrusted_fraction=untrusted_fraction,
         )
         self.settings = Settings(
             run_id=run_id, client_mode=bool(client_mode), step_timeout_s=step_timeout_s,
             gather_fraction=gather_fraction, exclude_s=exclude_s, max_peers=max_peers,
             max_state_nbytes=max_state_nbytes, state_timeout_s=state_timeout_s,
-            startup_timeout_s=startup_timeout_s,
+            startup_timeout_s=startup_timeout_s, untrusted_fraction=float(untrusted_fraction),
         )
-        if not 0.0 <= untrusted_fraction < 0.5:
-            raise ValueError(f"Invalid untrusted_fraction: {untrusted_fraction!r} (expected in [0, 0.5))")
-        self.untrusted_fraction = float(untrusted_fraction)
         self.rank, self.world_size, self.stats = 0, 1, CommStats()
         self.last_contributors: list[str] = []
         self._own_dht, self.dht = dht is None, dht
@@ -166,6 +168,12 @@ class HivemindBackend(Backend):
     @property
     def run_id(self) -> str:
         return self.settings.run_id
+
+    @property
+    def untrusted_fraction(self) -> float:
+        """The share of contributors that may be rogues (fixed when the backend is made): above 0 the
+        optimizer aggregates with a trimmed mean and the vote refuses vetoes (``hivemind_wire.agree``)."""
+        return self.settings.untrusted_fraction
 
     @property
     def allow_peers(self) -> set[str] | None:

@@ -25,6 +25,7 @@ class Settings:
     max_state_nbytes: int
     state_timeout_s: float
     startup_timeout_s: float
+    untrusted_fraction: float = 0.0
 
     def protocol(self, name: str) -> str:
         """The libp2p protocol of this run's ``name`` streams (``gather`` or ``state``)."""
@@ -33,7 +34,7 @@ class Settings:
 
 def check_settings(
     run_id, *, step_timeout_s, gather_fraction, exclude_s, heartbeat_s, ttl_s, max_peers,
-    max_state_nbytes, state_timeout_s, startup_timeout_s,
+    max_state_nbytes, state_timeout_s, startup_timeout_s, untrusted_fraction=0.0,
 ) -> None:
     """Refuse bad settings before anything starts: a refusal after the DHT started would leak it."""
     if not isinstance(run_id, str) or not RUN_ID.match(run_id):
@@ -48,6 +49,10 @@ def check_settings(
     ):
         if not seconds > 0:
             raise ValueError(f"Invalid {name}: {seconds!r} (expected a number of seconds > 0)")
+    if isinstance(untrusted_fraction, bool) or not (
+        isinstance(untrusted_fraction, (int, float)) and 0.0 <= untrusted_fraction < 0.5
+    ):
+        raise ValueError(f"Invalid untrusted_fraction: {untrusted_fraction!r} (expected in [0, 0.5))")
     if not exclude_s >= 0:
         raise ValueError(f"Invalid exclude_s: {exclude_s!r} (expected a number of seconds >= 0)")
     for name, count, least in (("max_peers", max_peers, 1), ("max_state_nbytes", max_state_nbytes, 0)):

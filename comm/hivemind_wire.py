@@ -64,7 +64,9 @@ def decode_vote(data: bytes, step: int) -> frozenset[bytes]:
     return frozenset(data[i : i + DIGEST_NBYTES] for i in range(U64.size, len(data), DIGEST_NBYTES))
 
 
-def agree(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> list[str]:
+def agree(
+    held: dict[str, bytes], votes: dict[str, frozenset[bytes]], untrusted_fraction: float = 0.0
+) -> list[str]:
     """The contributors of a step: the payloads this peer holds that every vote also holds.
 
     ``held`` maps each payload this peer received in time (its own included) to its digest; ``votes``
@@ -76,12 +78,37 @@ def agree(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> list[st
     cannot veto by voting alone. A vote can only take payloads out: digests in it that this peer does
     not hold add nothing (nobody's claim to hold a payload makes this peer apply bytes it did not
     receive and validate itself).
+
+    With ``untrusted_fraction`` > 0 (strangers may contribute) the ``refused`` votes are taken out
+    first, with their voters' payloads: one rogue voting for its own payload alone would otherwise
+    make every peer apply that payload alone. A rogue can still drop up to half of the others.
     """
+    voting = {voter: vote for voter, vote in votes.items() if voter in held}
+    if untrusted_fraction > 0:
+        out = refused(held, voting)
+        held = {p: d for p, d in held.items() if p not in out}
+        voting = {voter: vote for voter, vote in voting.items() if voter not in out}
     agreed = dict(held)
-    for voter, vote in votes.items():
-        if voter in held:
-            agreed = {p: d for p, d in agreed.items() if d in vote}
+    for vote in voting.values():
+        agreed = {p: d for p, d in agreed.items() if d in vote}
     return sorted(agreed)
+
+
+def refused(held: dict[str, bytes], votes: dict[str, frozenset[bytes]]) -> set[str]:
+    """The voters whose vote lacks more than half of the other payloads held (when two or more are).
+
+    Such a vote would veto most of the step. A late payload or a vanished sender makes a peer lack
+    one or a few payloads, which the intersection drops as before; a peer that received most of
+    the step too late is refused by the others, applies a different set and is brought back by the
+    replica checksum.
+    """
+    out = set()
+    for voter, vote in votes.items():
+        others = [d for p, d in held.items() if p != voter]
+        lacked = sum(d not in vote for d in others)
+        if len(others) >= 2 and 2 * lacked > len(others):
+            out.add(voter)
+    return out
 
 
 async def read_frame(

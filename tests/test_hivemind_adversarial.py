@@ -38,32 +38,40 @@ def valid(buf) -> bool:
     return int(buf[0]) != INVALID
 
 
-def forge_votes_and_log(rogue, log_entries):
-    """Make ``rogue`` add a made-up digest to every vote and log ``log_entries(step)`` as the
-    (peer, payload) pairs it applied: a voter that claims to hold a payload nobody else has."""
+def bend_votes(rogue, change):
+    """Make ``rogue`` send ``change(round, vote)`` instead of each (non-empty) vote it would send."""
 
-    class ForgedVoteRound(Round):
+    class BentVoteRound(Round):
         @property
         def my_vote(self):
             return self._vote
 
         @my_vote.setter
         def my_vote(self, vote):
-            self._vote = vote + MADE_UP if vote else vote
+            self._vote = change(self, vote) if vote else vote
 
-    book, finish = rogue._book, rogue._book.finish
+    book = rogue._book
 
     def round_(step):
         if step not in book.rounds:
-            book.rounds[step] = ForgedVoteRound(step)
+            book.rounds[step] = BentVoteRound(step)
         return book.rounds[step]
+
+    book.round = round_
+
+
+def forge_votes_and_log(rogue, log_entries):
+    """Make ``rogue`` add a made-up digest to every vote and log ``log_entries(step)`` as the
+    (peer, payload) pairs it applied: a voter that claims to hold a payload nobody else has."""
+    bend_votes(rogue, lambda r, vote: vote + MADE_UP)
+    book, finish = rogue._book, rogue._book.finish
 
     def finish_(r, *result):
         finish(r, *result)
         if hasattr(book, "log"):  # what the rogue serves to a peer that asks for its round log
             book.log[r.step] = log_entries(r.step)
 
-    book.round, book.finish = round_, finish_
+    book.finish = finish_
 
 
 def contributions(backend, result) -> dict:
@@ -78,6 +86,24 @@ def test_a_made_up_digest_in_a_vote_never_puts_the_rogues_bytes_under_honest_nam
             results, _ = gather([(b, filled(9 if b is rogue else 1 + i)) for i, b in enumerate(bs)])
             expected = {h.peer_id: 1 + i for i, h in enumerate(honest)} | {rogue.peer_id: 9}
             assert [contributions(h, r) for h, r in zip(honest, results)] == [expected] * 3
+
+
+def vote_only_for_itself(rogue):
+    """Make ``rogue`` vote that it holds its own payload only: a veto of every other payload."""
+    bend_votes(rogue, lambda r, vote: wire.encode_vote(r.step, [wire.digest(rogue.peer_id, r.own)]))
+
+
+def test_a_rogue_voting_for_its_own_payload_alone_is_refused_where_strangers_may_contribute(dhts):
+    # untrusted_fraction 0.25, as the public peer program runs: the rogue's vote, and its payload
+    # with it, are refused (a trusted run, fraction 0, takes the vote at its word: the known veto)
+    with group(dhts, n=4, options=dict.fromkeys(range(3), dict(untrusted_fraction=0.25))) as bs:
+        honest, rogue = bs[:3], bs[3]
+        vote_only_for_itself(rogue)
+        for _ in range(2):
+            results, _ = gather([(b, filled(9 if b is rogue else 1 + i)) for i, b in enumerate(bs)])
+            expected = {h.peer_id: 1 + i for i, h in enumerate(honest)}
+            assert [contributions(h, r) for h, r in zip(honest, results)] == [expected] * 3
+            assert not any(h.out_of_sync for h in honest)
 
 
 def test_a_relayed_payload_under_an_invented_id_never_reaches_the_optimizer(dhts):

@@ -296,6 +296,8 @@ def snapshot():
         (dict(max_state_nbytes=-1), "Invalid max_state_nbytes: -1"),
         (dict(state_timeout_s=0.0), "Invalid state_timeout_s: 0.0"),
         (dict(startup_timeout_s=0.0), "Invalid startup_timeout_s: 0.0"),
+        (dict(untrusted_fraction=0.5), r"Invalid untrusted_fraction: 0.5 \(expected in \[0, 0.5\)\)"),
+        (dict(untrusted_fraction=True), "Invalid untrusted_fraction: True"),
     ],
 )
 def test_invalid_settings_are_refused_before_anything_starts(kwargs, message):

@@ -1,6 +1,7 @@
 """The contributor-agreement rule and the safe state format of the hivemind backend (no network)."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -43,6 +44,54 @@ def test_agree_drops_a_sender_that_sent_different_payloads_to_different_peers():
 def test_agree_ignores_votes_of_peers_whose_payload_is_not_held():
     held = {"a": "1", "b": "2"}
     assert wire.agree(held, {"stranger": set()}) == ["a", "b"]
+
+
+def test_with_untrusted_peers_a_vote_for_its_own_payload_alone_is_refused():
+    held = {"a": "1", "b": "2", "c": "3", "r": "4"}
+    votes = {"b": {"1", "2", "3", "4"}, "c": {"1", "2", "3", "4"}, "r": {"4"}}
+    assert wire.agree(held, votes) == ["r"]  # a trusted run takes every vote at its word
+    assert wire.refused(held, votes) == {"r"}
+    assert wire.agree(held, votes, untrusted_fraction=0.25) == ["a", "b", "c"]
+
+
+def test_with_untrusted_peers_a_vote_lacking_half_of_the_others_still_drops_them():
+    held = {"a": "1", "b": "2", "c": "3", "d": "4", "r": "5"}
+    everything = set(held.values())
+    votes = {"b": everything, "c": everything, "d": everything, "r": {"3", "4", "5"}}  # lacks 2 of 4
+    assert wire.agree(held, votes, untrusted_fraction=0.25) == ["c", "d", "r"]
+    votes["r"] = {"4", "5"}  # lacks 3 of 4
+    assert wire.agree(held, votes, untrusted_fraction=0.25) == ["a", "b", "c", "d"]
+
+
+def test_with_untrusted_peers_a_payload_one_peer_missed_is_dropped_everywhere_as_before():
+    everything = {"a": "1", "b": "2", "c": "3"}
+    held = {"a": everything, "b": everything, "c": {"a": "1", "c": "3"}}  # b's payload was late at c
+    results = {me: wire.agree(held[me], votes_seen_by(me, held), 0.25) for me in held}
+    assert results == dict.fromkeys(held, ["a", "c"])
+
+
+def test_with_untrusted_peers_two_peers_keep_the_plain_intersection():
+    held = {"a": "1", "r": "2"}
+    assert wire.agree(held, {"r": {"2"}}, untrusted_fraction=0.25) == ["r"]
+
+
+@pytest.mark.parametrize("num_honest", [2, 3, 4, 5, 8])
+def test_one_rogue_vote_keeps_at_least_half_of_the_honest_payloads_and_splits_no_one(num_honest):
+    # every payload reaches every peer; the rogue votes any subset, made-up digests included, and
+    # the same vote to every honest peer
+    rng = random.Random(num_honest)
+    honest = [f"h{i}" for i in range(num_honest)]
+    held = {p: f"d-{p}" for p in honest + ["r"]}
+    digests = list(held.values()) + ["made-up-1", "made-up-2"]
+    for _ in range(50):
+        rogue_vote = set(rng.sample(digests, rng.randrange(len(digests) + 1)))
+        results = set()
+        for me in honest:
+            votes = {q: set(held.values()) for q in honest if q != me} | {"r": rogue_vote}
+            results.add(tuple(wire.agree(held, votes, untrusted_fraction=0.25)))
+        assert len(results) == 1
+        kept = set(results.pop()) & set(honest)
+        assert 2 * len(kept) >= num_honest, (rogue_vote, kept)
 
 
 def test_vote_roundtrip_gives_the_digests():
