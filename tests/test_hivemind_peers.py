@@ -126,9 +126,10 @@ def test_killed_peer_drops_out_of_the_step_after_its_crash(churn):
 
 
 def test_peer_whose_replica_diverged_reloaded_state_from_the_majority(churn):
-    assert churn["summary"]["c"]["resyncs"] >= 1
-    assert "replica differs from the majority" in churn["peers"]["c"].output(last=None)
-    assert churn["summary"]["a"]["resyncs"] == 0
+    outputs = "\n".join(f"--- {n}\n" + p.output(last=None) for n, p in churn["peers"].items())
+    assert churn["summary"]["c"]["resyncs"] >= 1, outputs
+    assert "replica differs from the majority" in churn["peers"]["c"].output(last=None), outputs
+    assert churn["summary"]["a"]["resyncs"] == 0, outputs
 
 
 def test_no_step_waited_longer_than_its_deadline(churn):
