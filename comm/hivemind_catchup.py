@@ -95,8 +95,11 @@ class CatchUp:
             self._answer(writer, wire.OK)
             self.stats.bytes_sent += wire.U64.size + len(blob)  # counted as written, like the gather streams
             await asyncio.wait_for(wire.write_frame(writer, wire.U64, blob), self.settings.state_timeout_s)
+            # the asker closes once it holds the whole frame; closing first could cut the frame off in
+            # the daemons' pipes, so wait (bounded) for its end of the stream
+            await asyncio.wait_for(reader.read(1), self.settings.state_timeout_s)
         except Exception as exc:  # noqa: BLE001
-            logger.debug("state request from %s failed: %s", peer, exc)
+            logger.debug("state request from %s failed: %s: %s", peer, type(exc).__name__, exc)
         finally:
             if slot:
                 self._slots.give(peer)
