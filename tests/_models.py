@@ -5,6 +5,7 @@ through torch's global RNG, each batch by its own generator from ``rank`` and ``
 runs that take the same steps end bit-identical, which the tests check with ``torch.equal``. The
 experiment runner's smallest transformer is given as the command-line flags that select it."""
 import io
+import threading
 
 import torch
 
@@ -13,10 +14,17 @@ from distro_opt import DeMo, DisTrOAdamW
 OPTIMIZERS = [DisTrOAdamW, DeMo]
 
 
+_SEEDED_BUILD = threading.Lock()
+
+
 def make_model(seed=0, width=32):
-    """16 inputs -> ``width`` tanh units -> 4 classes, initialised from ``seed``."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
+    """16 inputs -> ``width`` tanh units -> 4 classes, initialised from ``seed``.
+
+    Seeding and building hold one lock: in-process workers are threads sharing torch's global
+    generator, and two building at once would draw each other's numbers (replicas that differ)."""
+    with _SEEDED_BUILD:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
 
 
 def batch(step, rank=0):
