@@ -30,7 +30,7 @@ dhts = local.dhts_fixture(3)
 
 
 def test_all_gather_returns_every_peers_buffer_sorted_by_peer_id(dhts):
-    with group(dhts) as bs:
+    with group(dhts, step_timeout_s=local.ROOMY_STEP_TIMEOUT_S) as bs:
         results, _ = gather([(b, filled(10 + i)) for i, b in enumerate(bs)])
         order = sorted(range(3), key=lambda i: bs[i].peer_id)
         assert [firsts(r) for r in results] == [[10 + i for i in order]] * 3
@@ -51,7 +51,7 @@ def test_bytes_counted_are_the_bytes_that_crossed_the_streams(dhts):
 
 
 def test_client_mode_peer_exchanges_payloads_without_accepting_streams(dhts):
-    with group(dhts, options={2: {"client_mode": True}}) as bs:
+    with group(dhts, options={2: {"client_mode": True}}, step_timeout_s=local.ROOMY_STEP_TIMEOUT_S) as bs:
         results, _ = gather([(b, filled(10 + i)) for i, b in enumerate(bs)])
         assert [sorted(firsts(r)) for r in results] == [[10, 11, 12]] * 3
 
@@ -200,7 +200,8 @@ def test_clean_leave_is_seen_by_the_others_at_once(dhts):
 
 
 def test_overlapped_gathers_finish_as_separate_steps(dhts):
-    with group(dhts, n=2) as (a, b):
+    roomy = local.ROOMY_STEP_TIMEOUT_S  # four streams open at once per peer: no deadline is under test
+    with group(dhts, n=2, step_timeout_s=roomy) as (a, b):
 
         def two_in_flight(backend, first, second):
             pending = [backend.start_all_gather(filled(first)), backend.start_all_gather(filled(second))]
@@ -214,7 +215,7 @@ def test_overlapped_gathers_finish_as_separate_steps(dhts):
         for t in threads:
             t.start()
         for t in threads:
-            t.join(3 * STEP_TIMEOUT_S + 5)
+            t.join(3 * roomy + 5)
         assert results == [[[10, 11], [20, 21]]] * 2
         assert a.step == b.step == 2
 
