@@ -6,9 +6,10 @@
 # - 512 tokens per worker-step (4 x 128), width 128: lr 2e-3 to 16e-3;
 # - width 64 (d_ff 192): lr 0.5e-3 to 16e-3 (AdamW's best was on the top edge of 2e-3..8e-3);
 # - 2,048 tokens per worker-step (16 x 128): lr 4e-3 to 16e-3 (larger batches take larger lrs);
-# - width 256 (d_ff 768): lr 2e-3 to 8e-3 (about 30 minutes more; not yet measured).
-# About 45 minutes on 2 CPU cores without the last point; finished runs are skipped, interrupted
-# ones resume. Summaries: $OUT/NAME/summary.md, each with its tuned table.
+# - width 256 (d_ff 768): lr 2e-3 to 8e-3, then 1e-3 as its own run (AdamW's best was on the low
+#   edge of 2e-3..8e-3); the tuned point is the best of the two summaries' four points per arm.
+# About 75 minutes on 2 CPU cores; finished runs are skipped, interrupted ones resume. Summaries:
+# $OUT/NAME/summary.md, each with its tuned table.
 #
 #   bash research/regime_study.sh [OUT]      # OUT defaults to runs/regime
 set -euo pipefail
@@ -21,3 +22,4 @@ run rg-t512 "${POINT[@]}" --sweep "lr=2x,4x,8x,16x"
 run rg-w64 "${POINT[@]}" --sweep "lr=0.5x,1x,2x,4x,8x,16x" --d-model 64 --d-ff 192
 run rg-t2k "${POINT[@]}" --sweep "lr=4x,8x,16x" --batch-size 16
 run rg-w256 "${POINT[@]}" --sweep "lr=2x,4x,8x" --d-model 256 --d-ff 768
+run rg-w256-lr1 "${POINT[@]}" --sweep "lr=1x" --d-model 256 --d-ff 768
