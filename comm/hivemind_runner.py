@@ -94,9 +94,12 @@ class RoundRunner:
         votes = {p: v for p, v in r.votes.items() if p in r.payloads}
         # a vote can only take payloads out; digests in it that we do not hold are claims we cannot
         # check, and count for nothing
-        if settings.untrusted_fraction > 0 and (out := wire.refused(held, votes)):
-            logger.warning("step %d: refused the votes of %s, each lacking most of the step", step, _short(out))
-        agreed = wire.agree(held, votes, settings.untrusted_fraction)
+        out = wire.refused(held, votes) if settings.untrusted_fraction > 0 else set()
+        if out:
+            logger.warning(
+                "step %d: refused the votes of %s, each lacking most of the step", step, _short(out)
+            )
+        agreed = wire.agree(held, votes, out)
         result = [(p, payload if p == self.peer_id else r.payloads[p]) for p in agreed]
         logger.debug("step %d held %s, votes of %s -> %s", step, _short(held), _short(votes), _short(agreed))
         return self._finish(r, result)

@@ -65,7 +65,7 @@ def decode_vote(data: bytes, step: int) -> frozenset[bytes]:
 
 
 def agree(
-    held: dict[str, bytes], votes: dict[str, frozenset[bytes]], untrusted_fraction: float = 0.0
+    held: dict[str, bytes], votes: dict[str, frozenset[bytes]], refused_voters=frozenset()
 ) -> list[str]:
     """The contributors of a step: the payloads this peer holds that every vote also holds.
 
@@ -79,18 +79,15 @@ def agree(
     not hold add nothing (nobody's claim to hold a payload makes this peer apply bytes it did not
     receive and validate itself).
 
-    With ``untrusted_fraction`` > 0 (strangers may contribute) the ``refused`` votes are taken out
-    first, with their voters' payloads: one rogue voting for its own payload alone would otherwise
+    ``refused_voters`` (where strangers may contribute: ``refused(held, votes)``) are taken out
+    first, their payloads with them: one rogue voting for its own payload alone would otherwise
     make every peer apply that payload alone. A rogue can still drop up to half of the others.
     """
-    voting = {voter: vote for voter, vote in votes.items() if voter in held}
-    if untrusted_fraction > 0:
-        out = refused(held, voting)
-        held = {p: d for p, d in held.items() if p not in out}
-        voting = {voter: vote for voter, vote in voting.items() if voter not in out}
+    held = {p: d for p, d in held.items() if p not in refused_voters}
     agreed = dict(held)
-    for vote in voting.values():
-        agreed = {p: d for p, d in agreed.items() if d in vote}
+    for voter, vote in votes.items():
+        if voter in held:
+            agreed = {p: d for p, d in agreed.items() if d in vote}
     return sorted(agreed)
 
 
