@@ -58,5 +58,9 @@ run ca-mu --preset smoke --seeds 0,1 --sweep "$LOCAL_GRID" --corpus "$CORPUS" --
 run ca-l4 --preset smoke --seeds 0,1 --sweep "$LOCAL_GRID" --corpus "$CORPUS" --arms "$LOCAL"
 run sh-clip "${TUNED[@]}" --grad-clip 1 --arms "adamw,$UNIFORM"
 run ca-clip "${TUNED[@]}" --grad-clip 1 --corpus "$CORPUS" --arms "adamw,$UNIFORM"
+run ca-u "${TUNED[@]}" --corpus "$CORPUS" --arms "$UNIFORM"  # ca-clip's unclipped pair, same machine
+# clipping on top of the best >= 1000x recipe (its unclipped pairs: sh-wu3, ca-wu3)
+run sh-clip-wu3 "${TUNED[@]}" --grad-clip 1 --arms "$WARM3"
+run ca-clip-wu3 "${TUNED[@]}" --grad-clip 1 --corpus "$CORPUS" --arms "$WARM3"
 "$PY" -m experiments.frontier "$OUT/sh-p" "$OUT/sh-u" "$OUT/sh-t3" "$OUT/sh-l" "$OUT/sh-wu" "$OUT/sh-wu2" "$OUT/sh-wu3" --out "$OUT/frontier-tuned-sh" --force
 "$PY" -m experiments.frontier "$OUT/ca-p" "$OUT/ca-t3" "$OUT/ca-l" "$OUT/ca-wu" "$OUT/ca-wu3" --out "$OUT/frontier-tuned-ca" --force
