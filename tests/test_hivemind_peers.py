@@ -91,8 +91,8 @@ def churn(tmp_path_factory):
 @pytest.fixture(scope="module")
 def rogue(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("rogue")
-    # A roomy TTL: in CI one honest peer once lost sight of the other for a step (its heartbeats
-    # missed a 2 s TTL under load), applied its own payload alone and so left the pair diverged;
+    # A roomy TTL: in CI one honest peer once lost sight of the other for a step (most likely its
+    # heartbeats missed a 2 s TTL under load), applied its own payload alone and so left the pair diverged;
     # this scenario tests the rogue, not how fast a silent peer is dropped (churn does that)
     common = common_args(ttl_s=8) + [
         "--steps",
