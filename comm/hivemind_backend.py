@@ -4,7 +4,9 @@ One ``all_gather`` is one *round* (numbered by step) in two phases, both under o
 ``step_timeout_s`` counted from the moment this peer enters the round:
 
 1. gather (until ``gather_fraction * step_timeout_s``): push this peer's payload to every active
-   peer of the DHT view (and to any peer that pushed to us this round); collect theirs. A payload
+   peer of the DHT view, to every peer whose payload the last round applied (unless it announced a
+   clean leave: a heartbeat that lapses for a moment must not split the peers) and to any peer that
+   pushed to us this round; collect theirs. A payload
    that has not arrived by then is left out of the step; if it comes later, it is answered LATE.
 2. agree (until ``0.8 * step_timeout_s``): send every peer whose payload we hold a vote (the digests
    of all payloads we hold); wait for their votes; the contributors are ``hivemind_wire.agree``: the

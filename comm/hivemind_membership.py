@@ -61,6 +61,7 @@ class Membership:
         self.state = JOINING
         self.step = 0
         self._view: dict[str, PeerRecord] = {}
+        self._left: set[str] = set()  # the peers whose latest record announced a clean leave
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"hm-membership-{run_id}", daemon=True)
@@ -89,13 +90,22 @@ class Membership:
         records = self._signed(self.key)
         if records is FAILED:
             return  # keep the last view: its records still expire on their own
-        view = {}
+        view, left = {}, set()
         for peer, (body, expires) in records.items():
             record = _parse_record(body, expires)
-            if peer != self.peer_id and record is not None and record.state != LEFT:
+            if peer == self.peer_id or record is None:
+                continue
+            if record.state == LEFT:
+                left.add(peer)
+            else:
                 view[peer] = record
         with self._lock:
-            self._view = view
+            self._view, self._left = view, left
+
+    def has_left(self, peer: str) -> bool:
+        """Whether ``peer``'s latest record (as of the last lookup that answered) announced a clean leave."""
+        with self._lock:
+            return peer in self._left
 
     def leave(self) -> None:
         """Announce a clean leave so that the others stop waiting for this peer at once."""

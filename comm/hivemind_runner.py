@@ -14,7 +14,7 @@ import logging
 from . import hivemind_wire as wire
 from .base import CommStats
 from .hivemind_admission import Admission
-from .hivemind_membership import ACTIVE, Membership
+from .hivemind_membership import ACTIVE, Membership, PeerRecord
 from .hivemind_round import Round, RoundBook
 from .hivemind_settings import VOTE_FRACTION, Settings
 from .hivemind_streams import GatherStreams
@@ -40,6 +40,9 @@ class RoundRunner:
         self.settings, self.peer_id = settings, peer_id
         self.book, self.admission, self.membership = book, admission, membership
         self.streams, self.stats, self.loop = streams, stats, loop
+        # the others whose payloads the last finished round applied, with their records: the next
+        # round waits for them even if their heartbeat lapsed from the view meanwhile (see _expected)
+        self.recent: dict[str, PeerRecord] = {}
 
     async def run(self, step: int, payload: bytes) -> list[tuple[str, bytes]]:
         """Round ``step`` with our ``payload``: the (peer, payload) pairs to apply, sorted by peer id."""
@@ -59,11 +62,7 @@ class RoundRunner:
         r.own_ready.set()
 
         # 1. gather: push to every active peer we admit, collect theirs until the gather deadline
-        view = {
-            p: rec
-            for p, rec in self.membership.view().items()
-            if rec.state == ACTIVE and self.admission.admits(p)
-        }
+        view = self._expected()
         expected = {p for p, rec in view.items() if not (settings.client_mode and rec.client)}
         for p in expected:
             if not view[p].client and p not in r.pushed:  # it may have contacted us first
@@ -100,9 +99,26 @@ class RoundRunner:
                 "step %d: refused the votes of %s, each lacking most of the step", step, _short(out)
             )
         agreed = wire.agree(held, votes, out)
+        self.recent = {p: view[p] for p in agreed if p in view}
         result = [(p, payload if p == self.peer_id else r.payloads[p]) for p in agreed]
         logger.debug("step %d held %s, votes of %s -> %s", step, _short(held), _short(votes), _short(agreed))
         return self._finish(r, result)
+
+    def _expected(self) -> dict[str, PeerRecord]:
+        """The peers this round pushes to and waits for: the active peers of the view that we admit,
+        and those whose payloads the last round applied, unless they announced a clean leave.
+
+        A heartbeat that misses its TTL once (a loaded machine, a slow DHT answer) drops a live peer
+        from the view for a moment; a round that started then would not wait for it and apply a
+        different set of payloads than that peer does. With two honest peers no checksum majority
+        would ever bring them back together, so a peer seen in the last step is waited for until the
+        gather deadline: one slow round if it really crashed, a split never."""
+        seen = self.membership.view()
+        view = {p: rec for p, rec in seen.items() if rec.state == ACTIVE}
+        for p, rec in self.recent.items():
+            if p not in seen and not self.membership.has_left(p):
+                view[p] = rec
+        return {p: rec for p, rec in view.items() if self.admission.admits(p)}
 
     def _finish(self, r: Round, result):
         self.book.finish(r)

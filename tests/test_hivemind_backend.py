@@ -199,6 +199,33 @@ def test_clean_leave_is_seen_by_the_others_at_once(dhts):
         assert b.peer_id not in a.membership.view()
 
 
+def test_a_peer_that_drops_out_of_the_view_for_a_round_is_still_waited_for(dhts):
+    # a's view loses b for one round (b's heartbeat missed its TTL on a loaded machine): a round that
+    # did not wait for b would apply a's payload alone while b applies both, and with two peers no
+    # checksum majority would ever bring them back together; b starts its round later than a, so a
+    # round that waits only for its view is over before b's payload comes
+    with group(dhts, n=2, step_timeout_s=local.ROOMY_STEP_TIMEOUT_S) as (a, b):
+        gather([(a, filled(1)), (b, filled(2))])
+        a.membership.view = lambda: {}
+        results, _ = local.gather_at([(a, filled(1), 0.0), (b, filled(2), 0.5)])
+        assert [sorted(firsts(r)) for r in results] == [[1, 2], [1, 2]]
+        assert a.step == b.step == 2
+
+
+def test_a_peer_that_left_cleanly_is_not_waited_for(dhts):
+    # b contributed to step 0, then announced a clean leave: a's next round must not wait for b until
+    # its gather deadline (10 s here, against milliseconds for a round alone)
+    step_timeout_s = 20.0
+    with group(dhts, n=2, step_timeout_s=step_timeout_s) as (a, b):
+        gather([(a, filled(1)), (b, filled(2))])
+        b.membership.leave()
+        a.membership.refresh()
+        assert a.membership.has_left(b.peer_id)
+        (result,), (duration,) = gather([(a, filled(1))], timeout_s=step_timeout_s + 5)
+        assert firsts(result) == [1]
+        assert duration < 0.25 * step_timeout_s
+
+
 def test_overlapped_gathers_finish_as_separate_steps(dhts):
     roomy = local.ROOMY_STEP_TIMEOUT_S  # four streams open at once per peer: no deadline is under test
     with group(dhts, n=2, step_timeout_s=roomy) as (a, b):
