@@ -23,7 +23,8 @@ voter, all peers compute the same set; what can still slip through (a peer that 
 votes; two client-mode peers that never reach each other; a voter that tells peers different things;
 a peer whose vote was refused because it received too little in time) is caught
 by the replica checksum the peer program compares through the DHT every K steps
-(``publish_checksum``/``compare_checksum``): a peer in the minority reloads state.
+(``publish_checksum``/``compare_checksum``): a peer in the minority reloads state. With no majority
+(two peers that differ) nobody reloads, and the comparison logs a warning.
 
 DHT heartbeats and checksums are signed by the peer they name (``hivemind_records``); a given DHT
 must be made with ``identity_path=`` (the key to sign with). ``allow_peers`` guards every stream this

@@ -161,10 +161,17 @@ class Membership:
 
     def compare_checksum(self, step: int, checksum: str, admits=lambda peer: True) -> list[str] | None:
         """``None`` when this peer's ``checksum`` agrees with the majority of the reports for ``step``
-        of the peers ``admits`` accepts (or there is none); else the majority's peers."""
+        of the peers ``admits`` accepts (or there is none: then differing reports are logged as a
+        warning); else the majority's peers."""
         reports = {p: c for p, c in self.checksums(step).items() if admits(p)}
         reports[self.peer_id] = checksum
         value, holders = majority(reports)
+        if value is None and len(set(reports.values())) > 1:
+            # nobody reloads, so the replicas stay apart: say so, the program has no other sign of it
+            logger.warning(
+                "step %d: the replica checksums of %d peers differ and none has a majority; "
+                "no peer reloads state", step, len(reports),
+            )
         return None if value is None or value == checksum else holders
 
     def _loop(self) -> None:

@@ -192,6 +192,19 @@ def test_checksum_minority_learns_the_majority_peers(dhts):
         assert c.compare_checksum(5, "bad") == sorted([a.peer_id, b.peer_id])
 
 
+def test_checksums_that_differ_without_a_majority_are_a_warning(dhts, caplog):
+    with group(dhts, n=2) as (a, b):
+        a.publish_checksum(3, "one")
+        b.publish_checksum(3, "other")
+        with caplog.at_level(logging.WARNING, logger="distro_opt.comm.hivemind_membership"):
+            assert a.compare_checksum(3, "one") is None  # a tie: nobody to reload from
+        assert "none has a majority" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="distro_opt.comm.hivemind_membership"):
+            assert a.compare_checksum(4, "one") is None  # no reports but ours: nothing to say
+        assert "majority" not in caplog.text
+
+
 def test_clean_leave_is_seen_by_the_others_at_once(dhts):
     with group(dhts, n=2) as (a, b):
         b.membership.leave()
