@@ -1,7 +1,7 @@
 """Arms of an experiment: which optimizer a run trains with, parsed from ``--arms``.
 
 Syntax: arms are comma-separated; an arm is ``kind`` or ``kind:key=value,key=value``
-(``adamw``, ``distro``, ``demo``, ``diloco``, ``distro:topk=8,bits=2``; the peer arms
+(``adamw``, ``alone``, ``distro``, ``demo``, ``diloco``, ``distro:topk=8,bits=2``; the peer arms
 ``demo-peer`` and ``powersgd``, whose options ``peer_arms`` lists). A comma followed by ``key=value`` continues
 the previous arm's options. Keys are the optimizer's keyword arguments, or the short names in
 ``ALIASES``. Unknown kinds and options are errors, so a typo never silently runs the default. A value
@@ -46,7 +46,10 @@ ALIASES = {
     "feedback": "error_feedback",
     **PEER_ALIASES,
 }
-KINDS = ("adamw", "distro", "demo", "diloco", *PEER_KINDS)
+KINDS = ("adamw", "alone", "distro", "demo", "diloco", *PEER_KINDS)
+# The baseline every networked arm must beat first: torch's AdamW on one worker, with the same
+# per-worker batch and steps, that never communicates (background.md, "worth the network")
+ALONE = "alone"
 PARTS = ("embed", "norm", "matrix")
 # Not options: what the runner passes itself, a factory (no string names one), and modes its
 # training loop does not run (CUDA-graph capture, a differentiable step)
@@ -78,7 +81,8 @@ _DILOCO_FIXED = {"compression_topk", "compression_bits", "compression_decay", "u
 
 
 def _optimizer_class(kind: str):
-    return {"adamw": torch.optim.AdamW, "distro": DisTrOAdamW, "demo": DeMo, "diloco": DisTrOAdamW}[kind]
+    return {"adamw": torch.optim.AdamW, ALONE: torch.optim.AdamW, "distro": DisTrOAdamW, "demo": DeMo,
+            "diloco": DisTrOAdamW}[kind]
 
 
 def option_default(arm: Arm, name: str):
@@ -102,7 +106,7 @@ def _group_keys(kind: str) -> set[str]:
     one group, their own."""
     if kind in PEER_KINDS:
         return set()
-    comm = {} if kind == "adamw" else {"comm": SingleWorkerBackend()}
+    comm = {} if kind in ("adamw", ALONE) else {"comm": SingleWorkerBackend()}
     return set(_optimizer_class(kind)([torch.nn.Parameter(torch.zeros(1))], **comm).defaults)
 
 
@@ -176,6 +180,26 @@ def parse_arms(text: str) -> list[Arm]:
         raise ValueError(f"Invalid arms {text!r}: an arm is listed twice")
     check_distinct_files(arms)
     return arms
+
+
+def job_workers(arm: Arm, workers: int) -> int:
+    """How many workers train ``arm`` in a run of ``workers``: one for the alone baseline."""
+    return 1 if arm.kind == ALONE else workers
+
+
+def with_alone(arms: list[Arm], workers: int) -> list[Arm]:
+    """``arms`` with the alone baseline added after the first AdamW arm, with that arm's options (so
+    both train at the same lr), where R can be measured (``experiments.gains``): a run of several
+    workers with a data-parallel AdamW arm and no alone arm yet. Its label is ``alone`` plus the
+    AdamW arm's options (``alone:lr=0.002``)."""
+    adamw = next((i for i, a in enumerate(arms) if a.kind == "adamw"), None)
+    if workers < 2 or adamw is None or any(a.kind == ALONE for a in arms):
+        return list(arms)
+    options = arms[adamw].label.partition(":")[2]
+    alone = _parse_arm(ALONE + (":" + options if options else ""))
+    out = [*arms[: adamw + 1], alone, *arms[adamw + 1 :]]
+    check_distinct_files(out)
+    return out
 
 
 def check_distinct_files(arms: list[Arm]) -> None:
@@ -268,7 +292,7 @@ def build_optimizer(arm: Arm, named_params, preset, backend):
     kwargs = optimizer_kwargs(arm, preset)
     named = list(named_params)
     groups = param_groups(arm, named)
-    if arm.kind == "adamw":
+    if arm.kind in ("adamw", ALONE):
         return torch.optim.AdamW(groups, **kwargs)
     if arm.kind == "diloco":  # every coefficient of a chunk: the whole pseudo-gradient
         chunk = inspect.signature(DisTrOAdamW.__init__).parameters["compression_chunk"].default

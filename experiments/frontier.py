@@ -5,7 +5,8 @@ Reads the ``summary.json`` and ``config.json`` of one or more run directories wr
 ``--out``. Each arm is one point: its mean final validation-loss gap to the run's AdamW arm (paired
 per seed) against what one worker sends per step relative to a dense bf16 gradient. A run without
 an AdamW arm is paired with the AdamW arm of another run given that trained with the same settings. Arms are
-grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo. A ``--sweep`` run gives one
+grouped by mode: per-step DisTrO, local steps (``sync_every > 1``), DeMo. Where a run has the alone
+baseline, each arm's retained gain R (``experiments.gains``) is in the table and a panel of its own. A ``--sweep`` run gives one
 point per arm, at its best grid point, with its gap to the best AdamW point (of that run, or of another
 sweep run with the same settings). When the runs differ in
 tokens per worker-step (``--batch-size``, ``--seq-len``), a second panel draws each arm's gap against
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from distro_opt.cli_args import fail, os_error_message
 
+from .gains import mean_or_none, per_seed_pct, retained_gains
 from .presets import saved_preset_fields
 
 
@@ -55,8 +57,9 @@ def load_points(run_dir: Path) -> list[dict]:
             steps=preset["steps"], tokens_per_worker_step=tokens_per_worker_step,
             val_loss=result["final_val_loss_mean"], gap_pct=result["gap_vs_adamw_pct_mean"],
             gap_per_seed=result["gap_vs_adamw_pct_per_seed"], compression=result["compression_vs_dense_bf16"],
-            setting=setting, reference=summary.get("reference"),
+            setting=setting, reference=summary.get("reference"), alone=summary.get("alone"),
             loss_per_seed={s: v["final_val_loss"] for s, v in result["per_seed"].items()},
+            r_pct=result.get("retained_gain_pct_mean"), r_per_seed=result.get("retained_gain_pct_per_seed") or [],
         ))
     return points
 
@@ -73,26 +76,35 @@ def _tuned_points(run_dir, summary, config, arms, setting, preset, tokens_per_wo
             val_loss=t["final_val_loss_mean"], gap_pct=None if base == tuned["reference"] else t["gap_vs_tuned_adamw_pct_mean"],
             gap_per_seed=t["gap_vs_tuned_adamw_pct_per_seed"] or [], compression=t["compression_vs_dense_bf16"],
             setting=setting, reference=label if base == tuned["reference"] else None,
+            alone=label if base == tuned.get("alone") else None,
             loss_per_seed=t["final_val_loss_per_seed"], tuned=True,
+            r_pct=t.get("retained_gain_pct_mean"), r_per_seed=t.get("retained_gain_pct_per_seed") or [],
         ))
     return points
 
 
 def pair_with_adamw(points: list[dict]) -> list[dict]:
     """Give arms of runs without an AdamW arm the gap to an AdamW arm of another run given, trained
-    with the same settings and seeds (runs are deterministic per seed, so AdamW need not run twice).
-    Arms with no such AdamW keep ``gap_pct`` None."""
+    with the same settings and seeds (runs are deterministic per seed, so AdamW need not run twice),
+    and their R against that run's alone baseline. Arms with no such AdamW keep ``gap_pct`` None."""
     adamw: dict[tuple[str, bool], dict[str, float]] = {}  # tuned points pair only with a tuned AdamW
     for p in points:
         if p["mode"] == "adamw" and p["arm"] == p["reference"]:
             adamw.setdefault((p["setting"], p.get("tuned", False)), {}).update(p["loss_per_seed"])
+    alone: dict[tuple[str, bool], dict[str, float]] = {}
     for p in points:
-        if p["gap_pct"] is not None:
-            continue
-        ref = adamw.get((p["setting"], p.get("tuned", False)), {})
-        gaps = [100.0 * (loss / ref[s] - 1) for s, loss in p["loss_per_seed"].items() if s in ref]
-        if gaps:
-            p["gap_per_seed"], p["gap_pct"] = gaps, sum(gaps) / len(gaps)
+        if p["mode"] == "alone" and p["arm"] == p.get("alone"):
+            alone.setdefault((p["setting"], p.get("tuned", False)), {}).update(p["loss_per_seed"])
+    for p in points:
+        key = (p["setting"], p.get("tuned", False))
+        ref = adamw.get(key, {})
+        if p["gap_pct"] is None:
+            gaps = [100.0 * (loss / ref[s] - 1) for s, loss in p["loss_per_seed"].items() if s in ref]
+            if gaps:
+                p["gap_per_seed"], p["gap_pct"] = gaps, sum(gaps) / len(gaps)
+        if p.get("r_pct") is None and not p.get("r_per_seed") and key in alone and ref:
+            p["r_per_seed"] = retained_gains(p["loss_per_seed"], alone[key], ref)
+            p["r_pct"] = mean_or_none(p["r_per_seed"])
     return points
 
 
@@ -119,13 +131,15 @@ def numbered(points: list[dict]) -> list[tuple[int | None, dict]]:
 
 
 def table(points: list[dict]) -> str:
-    lines = ["| # | run | arm | mode | tokens/worker-step | steps | seeds | val loss | gap vs AdamW (per seed) | vs dense bf16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| # | run | arm | mode | tokens/worker-step | steps | seeds | val loss | gap vs AdamW (per seed) | "
+             "R, retained gain (per seed) | vs dense bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for number, p in numbered(points):
         per_seed = ", ".join(f"{g:+.1f}%" for g in p["gap_per_seed"])
         gap = "no AdamW run with these settings" if p["gap_pct"] is None else f"{p['gap_pct']:+.1f}% ({per_seed})"
+        gain = per_seed_pct(p.get("r_pct"), p.get("r_per_seed") or [], ".0f")
         lines.append(f"| {number or ''} | {p['run']} | `{p['arm']}` | {p['mode']} | {p['tokens_per_worker_step']} | "
-                     f"{p['steps']} | {p['seeds']} | {p['val_loss']:.3f} | {gap} | {_ratio(p['compression'])} |")
+                     f"{p['steps']} | {p['seeds']} | {p['val_loss']:.3f} | {gap} | {gain} | {_ratio(p['compression'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +161,9 @@ def plot(points: list[dict], path: Path) -> None:
 
     series = tokens_series(points)
     shown = [(n, p) for n, p in numbered(points) if n is not None]
-    fig, axes = plt.subplots(1, 2 if series else 1, figsize=(12 if series else 7, 4.5), squeeze=False)
+    with_r = [(n, p) for n, p in shown if p.get("r_pct") is not None]
+    panels = 1 + bool(series) + bool(with_r)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels if panels > 1 else 7, 4.5), squeeze=False)
     ax = axes[0][0]
     several_runs = len({p["run"] for p in points}) > 1
     by_number = len(shown) > MAX_NAMED_POINTS  # names would overlap: numbers, explained by frontier.md
@@ -180,6 +196,20 @@ def plot(points: list[dict], path: Path) -> None:
         ax.set_xlabel("tokens per worker-step (log)")
         ax.set_ylabel("final val loss gap vs AdamW (%)")
         ax.set_title("Gap vs tokens per worker-step")
+        ax.legend(fontsize=7)
+    if with_r:
+        ax = axes[0][panels - 1]
+        for mode in modes:
+            pts = [(n, p) for n, p in with_r if p["mode"] == mode]
+            ax.scatter([p["compression"] for _, p in pts], [p["r_pct"] for _, p in pts], label=mode, color=colors[mode])
+            for n, p in pts:
+                ax.annotate(str(n), (p["compression"], p["r_pct"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(100.0, color="grey", linestyle="--", linewidth=0.8, label="data-parallel AdamW")
+        ax.axhline(0.0, color="black", linestyle=":", linewidth=0.8, label="one worker alone")
+        ax.set_xscale("log")
+        ax.set_xlabel("dense bf16 gradient / bytes per worker-step (x, log)")
+        ax.set_ylabel("R: retained data-parallel gain (%)")
+        ax.set_title("Retained gain vs traffic (point numbers: rows of frontier.md)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

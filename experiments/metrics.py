@@ -26,6 +26,7 @@ from distro_opt.comm import CommStats
 from distro_opt.guards import CHECKSUM_NBYTES
 
 from .files import write_atomic
+from .gains import gain_line, mean_or_none, per_seed_pct, retained_gains
 from .sweep import tuned_summary, tuned_table
 
 BF16_BYTES = 2
@@ -198,24 +199,29 @@ def job_summary(rows: list[dict], result: dict) -> dict:
     }
 
 
-def reference_arm(arms: list[dict]) -> str | None:
+def reference_arm(arms: list[dict], kind: str = "adamw") -> str | None:
     """The AdamW arm gaps are measured against: the one labelled 'adamw', else a sweep's AdamW point
-    at the arm's own lr (every value ``1x``), else the first AdamW arm."""
-    adamw = [a for a in arms if a["kind"] == "adamw"]
-    labels = [a["label"] for a in adamw]
-    if "adamw" in labels:
-        return "adamw"
-    unscaled = [a["label"] for a in adamw if a.get("point") and set(a["point"].values()) == {"1x"}]
+    at the arm's own lr (every value ``1x``), else the first AdamW arm. With ``kind="alone"``, the
+    alone baseline R is measured from, chosen the same way."""
+    same = [a for a in arms if a["kind"] == kind]
+    labels = [a["label"] for a in same]
+    if kind in labels:
+        return kind
+    unscaled = [a["label"] for a in same if a.get("point") and set(a["point"].values()) == {"1x"}]
     return (unscaled or labels or [None])[0]
 
 
 def summarize(config: dict, rows: list[dict], results: dict) -> dict:
-    """Per arm, over seeds: mean/spread of the final validation loss, paired gap vs AdamW, bytes."""
+    """Per arm, over seeds: mean/spread of the final validation loss, paired gap vs AdamW, retained
+    gain R against the alone baseline, bytes."""
     ref = reference_arm(config["arms"])
+    alone = reference_arm(config["arms"], "alone")
     out = {
         "preset": config["preset"]["name"],
         "workers": config["workers"],
         "reference": ref,
+        "alone": alone,
+        "data_parallel_gain_per_seed": {},
         "n_params": None,
         "arms": {},
     }
@@ -232,6 +238,15 @@ def summarize(config: dict, rows: list[dict], results: dict) -> dict:
                     )
                 per_job[(arm["label"], seed)] = job_summary(job, results[key])
                 out["n_params"] = results[key]["n_params"]
+
+    def final(label):
+        return {str(s): per_job[(label, s)]["final_val_loss"] for s in config["seeds"] if (label, s) in per_job}
+
+    alone_losses = final(alone) if alone is not None else None
+    ref_losses = final(ref) if ref is not None else None
+    if alone_losses and ref_losses:
+        out["data_parallel_gain_per_seed"] = {
+            s: alone_losses[s] - ref_losses[s] for s in alone_losses if s in ref_losses}
     for arm in config["arms"]:
         seeds = [s for s in config["seeds"] if (arm["label"], s) in per_job]
         if not seeds:
@@ -244,6 +259,7 @@ def summarize(config: dict, rows: list[dict], results: dict) -> dict:
             if ref is not None and (ref, s) in per_job
         ]
         first = jobs[0]
+        gains = retained_gains(final(arm["label"]), alone_losses, ref_losses)
         out["arms"][arm["label"]] = {
             "kind": arm["kind"],
             "seeds": seeds,
@@ -254,6 +270,8 @@ def summarize(config: dict, rows: list[dict], results: dict) -> dict:
             "final_val_loss_max": max(losses),
             "gap_vs_adamw_pct_mean": statistics.fmean(gaps) if gaps else None,
             "gap_vs_adamw_pct_per_seed": gaps,
+            "retained_gain_pct_mean": mean_or_none(gains),
+            "retained_gain_pct_per_seed": gains,
             "initial_val_loss": first["initial_val_loss"],
             **{
                 k: first[k]
@@ -281,14 +299,21 @@ def _fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec)
 
 
+def _ratio(x) -> str:
+    """A compression ratio, ``920.6x``; ``-`` for an arm that sends nothing (alone)."""
+    return "-" if x is None else f"{x:.1f}x"
+
+
 def markdown_table(summary: dict) -> str:
     head = (
-        "| arm | final val loss | gap vs adamw | sent/step/worker | received/step/worker | vs dense bf16 | "
-        "vs ring all-reduce bf16 | vs naive gather bf16 | tokens | wall time |"
+        "| arm | final val loss | gap vs adamw | R (retained gain) | sent/step/worker | received/step/worker | "
+        "vs dense bf16 | vs ring all-reduce bf16 | vs naive gather bf16 | tokens | wall time |"
     )
     lines = [
         f"Preset `{summary['preset']}`, {summary['workers']} workers, {summary['n_params']:,} parameters. "
         "Loss: mean (+- std over seeds); gap: paired per seed, mean. Bytes per worker per step.",
+        "",
+        gain_line(summary),
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
@@ -300,11 +325,12 @@ def markdown_table(summary: dict) -> str:
         gap = "-" if a["gap_vs_adamw_pct_mean"] is None else f"{a['gap_vs_adamw_pct_mean']:+.2f}%"
         if len(a["gap_vs_adamw_pct_per_seed"]) > 1:  # a gap is real only if every seed shows it
             gap += " (" + ", ".join(f"{g:+.2f}%" for g in a["gap_vs_adamw_pct_per_seed"]) + ")"
+        gain = per_seed_pct(a.get("retained_gain_pct_mean"), a.get("retained_gain_pct_per_seed", []), ".0f")
         lines.append(
-            f"| {label} | {loss} | {gap} | {_human(a['sent_bytes_per_step'])} | "
-            f"{_human(a['received_bytes_per_step'])} | {_fmt(a['compression_vs_dense_bf16'], '.1f')}x | "
-            f"{_fmt(a['compression_vs_ring_allreduce_bf16'], '.1f')}x | "
-            f"{_fmt(a['compression_vs_naive_gather_bf16'], '.1f')}x | {a['tokens']:,} | "
+            f"| {label} | {loss} | {gap} | {gain} | {_human(a['sent_bytes_per_step'])} | "
+            f"{_human(a['received_bytes_per_step'])} | {_ratio(a['compression_vs_dense_bf16'])} | "
+            f"{_ratio(a['compression_vs_ring_allreduce_bf16'])} | "
+            f"{_ratio(a['compression_vs_naive_gather_bf16'])} | {a['tokens']:,} | "
             f"{a['wall_s_mean']:.1f} s |"
         )
     lines += [
@@ -312,7 +338,8 @@ def markdown_table(summary: dict) -> str:
         "Bytes are counted by each worker's backend (`CommStats`). vs dense bf16: 2 bytes x parameters over "
         "the bytes a worker contributes per step. vs ring all-reduce: a ring all-reduce of the bf16 gradient "
         "(2(N-1)/N x 2 bytes x parameters sent). vs naive gather: (N-1) x 2 bytes x parameters received, "
-        "the DisTrO report's convention. The AdamW arm all-reduces an fp32 gradient, hence 0.5x.",
+        "the DisTrO report's convention. The AdamW arm all-reduces an fp32 gradient (0.5x a bf16 one); "
+        "the alone arm sends nothing.",
     ]
     if summary.get("tuned"):
         lines += ["", tuned_table(summary["tuned"])]

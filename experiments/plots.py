@@ -25,6 +25,8 @@ LATENCY_S = 0.05
 def comm_seconds(
     kind: str, sent_bytes_per_step: float, world_size: int, link_bps: float, latency_s: float = LATENCY_S
 ) -> float:
+    if kind == "alone":  # no network
+        return 0.0
     rounds = 2 * (world_size - 1) if kind in ("adamw", "powersgd") else 1  # ring all-reduces
     return rounds * latency_s + 8.0 * sent_bytes_per_step / link_bps
 
@@ -168,10 +170,36 @@ def make_plots(out: Path, config: dict, rows: list[dict], summary: dict) -> list
     )
     fig.subplots_adjust(bottom=0.2)
     paths.append(_save(fig, out / "time_to_loss.png"))
+    paths.append(_save(retained_gain_figure(summary), out / "retained_gain_vs_bytes.png"))
     return paths
 
 
-PLOT_FILES = ("val_loss_vs_step.png", "val_loss_vs_bytes.png", "bytes_per_step.png", "time_to_loss.png")
+def retained_gain_figure(summary: dict):
+    """R (``experiments.gains``) of every arm that sends bytes against its bytes per worker-step (log
+    x), each seed a small point and the mean a large one; 100% (data-parallel AdamW's gain) and 0%
+    (one worker alone) drawn as lines."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    shown = [(label, a) for label, a in summary["arms"].items()
+             if a.get("retained_gain_pct_per_seed") and a["sent_bytes_per_step"] > 0]
+    for i, (label, a) in enumerate(shown):
+        x = a["sent_bytes_per_step"]
+        seeds = [r for r in a["retained_gain_pct_per_seed"] if r is not None]
+        ax.scatter([x] * len(seeds), seeds, color=f"C{i}", s=12, alpha=0.6)
+        if a["retained_gain_pct_mean"] is not None:
+            ax.scatter([x], [a["retained_gain_pct_mean"]], color=f"C{i}", s=50, label=label)
+    ax.axhline(100.0, color="grey", linestyle="--", linewidth=0.8, label="data-parallel AdamW (100%)")
+    ax.axhline(0.0, color="black", linestyle=":", linewidth=0.8, label="one worker alone (0%)")
+    ax.set_xscale("log")
+    title = "Retained gain vs traffic"
+    if not shown:
+        title += " (no R: the run has no alone or no data-parallel AdamW arm)"
+    ax.set(xlabel="bytes sent per worker per step (log)", ylabel="R: retained data-parallel gain (%)", title=title)
+    ax.legend(fontsize=7), ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+PLOT_FILES = ("val_loss_vs_step.png", "val_loss_vs_bytes.png", "bytes_per_step.png", "time_to_loss.png",
+              "retained_gain_vs_bytes.png")
 
 
 def run_plots(out: Path, config: dict, rows: list[dict], summary: dict) -> list[Path]:

@@ -3,6 +3,10 @@
 * ``smoke``: ~1.1M parameters, 4 workers x 4 sequences x 128 tokens, 300 steps; the CI run
   (both arms together in under 3 minutes on 2 CPU cores).
 * ``parity``: the same model for 3000 steps and two paired seeds: the loss-parity measurement.
+* ``volunteer``: smoke's model, steps and 2,048-token global batch spread over 16 workers of one
+  128-token sequence each: the volunteer case, many machines with small batches each. The worker
+  count is a study axis at the same global batch: ``--workers 8 --batch-size 2`` and
+  ``--workers 4 --batch-size 4`` (smoke); 32 workers need ``--seq-len 64``.
 * ``llama-1.2b``: the DisTrO report's model and hyperparameters (16 layers, hidden 2048, FFN 8192,
   8 heads, vocab 32000, context 2048; AdamW betas (0.9, 0.95), peak lr 4e-4 cosine to 4e-5, 400
   warm-up steps, weight decay 0.1), bf16 autocast and activation checkpointing, for torchrun on GPUs,
@@ -176,6 +180,8 @@ PARITY = dataclasses.replace(
     checkpoint_every=250,
 )
 
+VOLUNTEER = dataclasses.replace(SMOKE, name="volunteer", workers=16, batch_size=1)
+
 LLAMA_1_2B = Preset(
     name="llama-1.2b",
     n_layers=16,
@@ -206,7 +212,7 @@ LLAMA_1_2B = Preset(
     shard_degree=8,  # one node of 8 GPUs holds one replica; distro-opt runs between the nodes
 )
 
-PRESETS = {p.name: p for p in (SMOKE, PARITY, LLAMA_1_2B)}
+PRESETS = {p.name: p for p in (SMOKE, PARITY, VOLUNTEER, LLAMA_1_2B)}
 
 
 def saved_preset_fields(saved: dict) -> dict:

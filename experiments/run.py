@@ -23,7 +23,7 @@ import torch
 from distro_opt.cli_args import Parser, UsageError, fail, os_error_message
 from distro_opt.comm import InProcessBackend
 
-from .arms import check_arm, parse_arms
+from .arms import ALONE, check_arm, job_workers, parse_arms, with_alone
 from .checkpoint import CheckpointStore
 from .cli import add_preset_flags, apply_overrides
 from .data import CorpusError, check_corpus_fits, load_corpus
@@ -57,6 +57,12 @@ def build_parser() -> Parser:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--no-alone",
+        action="store_true",
+        help="do not add the alone arm (AdamW on one worker, same per-worker batch and steps, no network), "
+        "which a run of several workers otherwise adds to measure each arm's retained gain R",
+    )
     add_preset_flags(p, Preset, PRESETS)
     p.epilog = (
         "Arms: adamw (torch AdamW, gradients all-reduced through the same backend), distro "
@@ -99,14 +105,16 @@ def check_checkpoints(out: Path, preset: Preset, arms, corpus) -> None:
         for arm in arms:
             if finished(out, arm, seed):
                 continue
-            if preset.shard_degree > 1:
+            if preset.shard_degree > 1 and arm.kind != ALONE:  # alone: one whole replica, plain files
                 store = CheckpointStore(out, arm.slug, seed, preset.workers * preset.shard_degree)
                 store.check_sharded(preset.shard_degree, shapes)
             else:
-                check_resumable(Job.create(arm, seed, preset, corpus, out, resume=True), preset.workers)
+                check_resumable(Job.create(arm, seed, preset, corpus, out, resume=True),
+                                job_workers(arm, preset.workers))
 
 
 def run_job_in_process(job: Job, workers: int, stop: StopSignal, progress: bool) -> list[dict]:
+    workers = job_workers(job.arm, workers)
     sink = MetricsSink(
         job.out / "metrics.jsonl",
         job.arm.label,
@@ -129,6 +137,8 @@ def run_job_in_process(job: Job, workers: int, stop: StopSignal, progress: bool)
 
 
 def record_result(out: Path, job: Job, workers: list[dict]) -> None:
+    if job.arm.kind == ALONE:  # torchrun: every rank trained the same alone arm; one is the arm
+        workers = workers[:1]
     first = workers[0]
     result = {
         "arm": job.arm.label,
@@ -159,11 +169,23 @@ def finish(out: Path, plots: bool) -> dict:
     return summary
 
 
+def _workers(preset: Preset) -> int:
+    """The workers this run trains with: the preset's in-process, a torchrun job's replicas under it."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        return preset.workers
+    if not world.isdigit():
+        raise ValueError(f"Invalid WORLD_SIZE {world!r} in the environment (expected a positive integer)")
+    return int(world) // max(1, preset.shard_degree)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         preset = apply_overrides(get_preset(args.preset), args)
         arms = parse_arms(preset.arms)  # first: what was typed, before what the preset brings
+        if not args.no_alone:
+            arms = with_alone(arms, _workers(preset))
         arms = expand(arms, parse_sweep(preset.sweep), preset.lr)
         preset.validate()
         for arm in arms:
@@ -231,7 +253,7 @@ def _train_in_process(args, preset: Preset, arms, corpus) -> int:
                     return EXIT_INTERRUPTED
                 job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
                 if args.resume:
-                    step = CheckpointStore(args.out, arm.slug, seed, preset.workers).latest_step()
+                    step = CheckpointStore(args.out, arm.slug, seed, job_workers(arm, preset.workers)).latest_step()
                     truncate_metrics(args.out / "metrics.jsonl", arm.label, seed, step if step > 0 else None)
                 workers = run_job_in_process(job, preset.workers, stop, progress=not args.no_progress)
                 record_result(args.out, job, workers)

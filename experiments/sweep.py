@@ -22,6 +22,7 @@ import re
 import statistics
 
 from .arms import Arm, check_distinct_files, option_default
+from .gains import mean_or_none, per_seed_pct, retained_gains
 
 SWEEP_KEYS = ("lr", "outer_lr")
 _POINT = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:e[-+]?\d+)?x?$", re.IGNORECASE)
@@ -115,7 +116,16 @@ def tuned_summary(config_arms: list[dict], arms_summary: dict, seeds: list[int])
             best = min(done, key=lambda a: arms_summary[a["label"]]["final_val_loss_mean"])
             chosen[base] = (best, points)
     ref = next((b for b, (a, _) in chosen.items() if a["kind"] == "adamw"), None)
-    out = {"reference": ref, "rule": "lowest mean final val loss over seeds; gap paired per seed", "arms": {}}
+    alone = next((b for b, (a, _) in chosen.items() if a["kind"] == "alone"), None)
+
+    def best_losses(base):
+        per_seed = arms_summary[chosen[base][0]["label"]]["per_seed"]
+        return {str(s): per_seed[str(s)]["final_val_loss"] for s in seeds}
+
+    alone_losses = best_losses(alone) if alone is not None else None
+    ref_losses_r = best_losses(ref) if ref is not None else None
+    out = {"reference": ref, "alone": alone,
+           "rule": "lowest mean final val loss over seeds; gap paired per seed", "arms": {}}
     for base, (best, points) in chosen.items():
         result = arms_summary[best["label"]]
         losses = {str(s): result["per_seed"][str(s)]["final_val_loss"] for s in seeds}
@@ -132,6 +142,9 @@ def tuned_summary(config_arms: list[dict], arms_summary: dict, seeds: list[int])
             "final_val_loss_mean": result["final_val_loss_mean"],
             "gap_vs_tuned_adamw_pct_per_seed": gaps,
             "gap_vs_tuned_adamw_pct_mean": statistics.fmean(gaps) if gaps else None,
+            # R against the tuned alone baseline and the tuned data-parallel AdamW (metrics.retained_gain_pct)
+            "retained_gain_pct_per_seed": (gains := retained_gains(losses, alone_losses, ref_losses_r)),
+            "retained_gain_pct_mean": mean_or_none(gains),
             "at_grid_edge": _edge_keys(best, points),
             "compression_vs_dense_bf16": result["compression_vs_dense_bf16"],
             "sent_bytes_per_step": result["sent_bytes_per_step"],
@@ -156,8 +169,9 @@ def tuned_table(tuned: dict) -> str:
     lines = [
         f"Tuned, best vs best ({tuned['rule']}; {ref}):",
         "",
-        "| arm | chosen point | grid points | final val loss (per seed) | gap vs tuned AdamW (per seed) | vs dense bf16 |",
-        "|---|---|---|---|---|---|",
+        "| arm | chosen point | grid points | final val loss (per seed) | gap vs tuned AdamW (per seed) | "
+        "R vs tuned alone (per seed) | vs dense bf16 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for base, a in tuned["arms"].items():
         point = ", ".join(f"{k}={v}" for k, v in a["point"].items())
@@ -170,6 +184,7 @@ def tuned_table(tuned: dict) -> str:
             gap = f"{a['gap_vs_tuned_adamw_pct_mean']:+.2f}% (" + ", ".join(
                 f"{g:+.2f}%" for g in a["gap_vs_tuned_adamw_pct_per_seed"]) + ")"
         ratio = a["compression_vs_dense_bf16"]
-        lines.append(f"| {base} | {point} | {a['points_run']} | {losses} | {gap} | "
+        gain = per_seed_pct(a.get("retained_gain_pct_mean"), a.get("retained_gain_pct_per_seed") or [], ".0f")
+        lines.append(f"| {base} | {point} | {a['points_run']} | {losses} | {gap} | {gain} | "
                      f"{'-' if ratio is None else format(ratio, '.1f') + 'x'} |")
     return "\n".join(lines) + "\n"

@@ -19,7 +19,7 @@ import torch
 from distro_opt.comm import CommStats, SingleWorkerBackend
 from distro_opt.shards import local
 
-from .arms import Arm, build_optimizer, optimizer_kwargs
+from .arms import ALONE, Arm, build_optimizer, optimizer_kwargs
 from .runner_options import compression_warmup
 from .checkpoint import CheckpointStore
 from .coordination import StopSignal
@@ -157,9 +157,13 @@ def _mean_loss(model, batches, device, autocast) -> float:
     return total / len(batches)
 
 
-def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=None) -> dict:
+def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=None, saves: bool = True) -> dict:
     """Train ``job.arm`` on worker ``backend.rank``; worker 0 also evaluates, and the rank given a
     ``sink`` logs and reports progress.
+
+    The alone arm (``arms.ALONE``) is trained on a world of one (``SingleWorkerBackend``): AdamW with
+    no all-reduce. ``saves`` False: this worker writes no checkpoint (torchrun ranks that all train
+    the same alone arm, of which rank 0 keeps the files).
 
     ``losses`` averages the train loss over workers (``LossTable`` or a torch.distributed reducer);
     ``sink`` (one rank only) receives one metrics row per step. ``hybrid`` (``hybrid.HybridMesh``):
@@ -167,6 +171,8 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
     is a replica; every rank still writes its own checkpoint file. Returns this rank's totals.
     """
     p, rank, world = job.preset, backend.rank, backend.world_size
+    if job.arm.kind == ALONE and world != 1:
+        raise ValueError(f"the alone arm trains on a world of one, not {world} workers")
     file_rank, file_world = (hybrid.rank, hybrid.world_size) if hybrid is not None else (rank, world)
     device = torch.device(p.device)
     autocast = p.autocast == "bf16"
@@ -234,7 +240,11 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
         loss.backward()
         losses.put(step, rank, float(loss.detach()))  # before the collective: see LossTable
         compute_s = time.perf_counter() - t_start
-        if job.arm.kind == "adamw":
+        if job.arm.kind == ALONE:  # no network: its own gradient, as one machine would train
+            codec_s = comm_s = 0.0
+            clip_gradients(model, p.grad_clip)
+            opt.step()
+        elif job.arm.kind == "adamw":
             t0 = time.perf_counter()
             comm_s = _all_reduce_gradients(model, backend)
             codec_s = time.perf_counter() - t0 - comm_s
@@ -274,13 +284,13 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
                 state=state,
                 times=(compute_s, codec_s, comm_s, eval_s),
             )
-        if checkpoint_now:
+        if checkpoint_now and saves:
             store.save(file_rank, step, model, opt, state)
-    if status == "interrupted" and state["step"] > 0 and not getattr(opt, "overlap", False):
+    if status == "interrupted" and saves and state["step"] > 0 and not getattr(opt, "overlap", False):
         # Overlap mode is left to its last periodic checkpoint: saving now would flush the pending
         # update a step early, and the resumed run would then differ from an uninterrupted one.
         store.save(file_rank, state["step"], model, opt, state)
-    payload = getattr(opt, "payload_nbytes", None)
+    payload = 0 if job.arm.kind == ALONE else getattr(opt, "payload_nbytes", None)
     if payload is None:  # AdamW: the flat fp32 gradient is what each worker puts into the all-reduce
         # the optimizer's parameters: FSDP2 leaves the model's root unsharded after a forward pass
         payload = 4 * sum(local(q).numel() for g in opt.param_groups for q in g["params"] if q.requires_grad)

@@ -34,7 +34,7 @@ def test_frontier_table_groups_arms_by_mode(tmp_path):
     ])
     assert frontier.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")]) == 0
     text = (tmp_path / "out" / "frontier.md").read_text()
-    assert "| sweep | `distro:sync_every=8` | distro local steps | 512 | 300 | 2 | 5.450 | +9.0% (+8.5%, +9.5%) | 4,400x |" in text
+    assert "| sweep | `distro:sync_every=8` | distro local steps | 512 | 300 | 2 | 5.450 | +9.0% (+8.5%, +9.5%) | - | 4,400x |" in text
     assert "| distro per step |" in text and "| demo |" in text and "0.5x" in text
     assert (tmp_path / "out" / "frontier.png").stat().st_size > 0
 

@@ -8,6 +8,7 @@ import pytest
 from nbclient import NotebookClient
 
 from distro_opt.experiments import data, run
+from distro_opt.experiments.plots import PLOT_FILES
 
 from _models import TINY_TRANSFORMER_FLAGS
 
@@ -63,8 +64,8 @@ def test_notebook_shows_the_table_and_plots_of_a_run(tmp_path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     markdown = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
     assert len(markdown) == 1 and "| adamw |" in markdown[0] and "| distro |" in markdown[0]
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
-    assert (out / "val_loss_vs_bytes.png").exists()
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == len(PLOT_FILES)
+    assert (out / "val_loss_vs_bytes.png").exists() and (out / "retained_gain_vs_bytes.png").exists()
 
 
 def test_a_missing_run_directory_says_what_to_point_at(tmp_path):

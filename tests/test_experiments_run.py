@@ -55,7 +55,7 @@ def test_unknown_preset_is_a_one_line_error_with_exit_2(corpus, tmp_path, capsys
     args[args.index("smoke")] = "huge"
     assert run.main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: Unknown preset 'huge' (expected one of smoke, parity, llama-1.2b)"
+    assert err == "error: Unknown preset 'huge' (expected one of smoke, parity, volunteer, llama-1.2b)"
     assert not (tmp_path / "x").exists()
 
 
@@ -146,12 +146,13 @@ def test_resume_of_a_config_of_another_shape_is_refused_and_left_alone(corpus, s
 def test_resume_with_a_damaged_metrics_row_names_the_file_and_line(corpus, straight, tmp_path, capsys):
     shutil.copytree(straight, tmp_path / "run")
     metrics = tmp_path / "run" / "metrics.jsonl"
+    line = len(metrics.read_text().splitlines()) + 1
     with open(metrics, "a") as f:
         f.write("[1, 2]\n")
     before = _files(tmp_path / "run")
     assert run.main(tiny_args(corpus, tmp_path / "run", steps=40, extra=("--resume",))) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: {metrics} is damaged: line 83 is not a metrics row ('[1, 2]')"
+    assert err == f"error: {metrics} is damaged: line {line} is not a metrics row ('[1, 2]')"
     assert _files(tmp_path / "run") == before
 
 

@@ -91,7 +91,7 @@ def test_a_sweep_run_reports_the_tuned_points_in_summary_and_frontier(corpus, tm
     assert run.main(args) == 0
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["arms"]) == {"adamw@lr=1x", "adamw@lr=4x", "distro@lr=1x", "distro@lr=4x"}
+    assert set(summary["arms"]) == {f"{base}@lr={p}" for base in ("adamw", "alone", "distro") for p in ("1x", "4x")}
     assert summary["reference"] == "adamw@lr=1x"  # the untuned table: against AdamW at its own lr
     tuned = summary["tuned"]
     for base in ("adamw", "distro"):
