@@ -119,6 +119,17 @@ def remove_namespaces(prefix: str) -> list[str]:
     return names
 
 
+def remove_stale_labs() -> list[str]:
+    """Delete the namespaces of labs whose creating process has ended (one killed with SIGKILL
+    cannot clean up after itself); a live process's lab is left alone. Returns the names deleted."""
+    gone = []
+    for name in lab_namespaces("dolab-"):
+        pid = name.split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            gone += remove_namespaces(f"dolab-{pid}-")
+    return gone
+
+
 class Lab:
     """``with Lab(n=4, rate_mbit=10) as lab: lab.run(0, argv)``: builds the namespaces on entry,
     removes them on exit (also on an exception or Ctrl-C, and on SIGTERM while the lab is open in
@@ -306,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="after S seconds, set every link to --change-to")
     parser.add_argument("--change-to", default=None, metavar="RATE")
     parser.add_argument("--probe-bytes", type=int, default=0, help="send this many bytes from peer 0 to peer 1 and report")
+    parser.add_argument("--remove-stale", action="store_true",
+                        help="only delete the namespaces left by labs whose process has ended (killed with SIGKILL)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="after --: a command run in every peer at once; {i}, {addr}, {addr0} are replaced")
     args = parser.parse_args(argv)
@@ -314,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         change = parse_rate(args.change_to) if args.change_to else None
         if (args.change_after is None) != (args.change_to is None):
             raise ValueError("--change-after and --change-to go together")
+        if args.remove_stale:
+            check_can_run()
+            print(json.dumps({"removed": remove_stale_labs()}))
+            return 0
         with Lab(n=args.peers, rate_mbit=rate, nat=args.nat) as lab:
             return _drive(lab, args, change)
     except (ValueError, LabUnavailable) as exc:
@@ -328,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _drive(lab: Lab, args, change: float | None) -> int:
     for p in lab.peers:
-        print(json.dumps({"peer": p.index, "namespace": p.namespace, "address": p.address, "behind_nat": p.behind_nat}))
+        print(json.dumps({"peer": p.index, "namespace": p.namespace, "address": p.address, "behind_nat": p.behind_nat}), flush=True)
     if args.probe_bytes:
         print(json.dumps({"probe": transfer(lab, 0, 1, args.probe_bytes)}))
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
