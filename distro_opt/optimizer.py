@@ -158,7 +158,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         entries = self._entries()
         if self._start.checks_due:  # the replicas are compared by their anchors in the local-step mode
             replicas = [self.state.get(p, {}).get("anchor", p) for _, p in entries]
-            self._start.check(self.comm, [p for _, p in entries], replicas)
+            settings = guards.settings_of(
+                self.param_groups, optimizer=type(self).__name__, error_feedback=self.error_feedback,
+                overlap=self.overlap, sync_every=getattr(self, "sync_every", 1),
+            )
+            self._start.check(self.comm, [p for _, p in entries], replicas, settings)
         if not self._source.communicates(self, entries):  # a local step: nothing to send
             self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
             return
