@@ -58,8 +58,8 @@ def check_groups(state_dict, param_groups, optional_keys, check_group, name: str
             raise ValueError(f"checkpoint's param group {i} lacks {', '.join(missing)}: not a checkpoint of a {name}")
         try:
             check_group(group)
-        except ValueError as exc:
-            raise ValueError(f"checkpoint's param group {i}: {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"checkpoint's param group {i}: {exc}") from None
         chunk_target.update({index: group["compression_chunk"] for index in group.get("params", [])})
     return chunk_target
 
@@ -103,6 +103,24 @@ def check_param_states(state_dict, params, chunk_target, default_chunk, delta_la
         if as_rows and not same_layout:
             row_deltas[index] = chunk
     return row_deltas
+
+
+def check_no_state_lost(state_dict, param_groups, opt_state) -> None:
+    """Refuse a checkpoint that has no state for a parameter that has state in this optimizer:
+    torch's ``load_state_dict`` would drop that state (its error feedback, its Adam moments) and
+    the parameter would restart from nothing, silently. A fresh optimizer has no state to lose."""
+    saved = state_dict.get("state", {})
+    index = 0
+    for g, group in enumerate(param_groups):
+        for p in group["params"]:
+            if opt_state.get(p) and not saved.get(index):
+                raise ValueError(
+                    f"checkpoint has no state for parameter {index} (param group {g}, shape "
+                    f"{tuple(p.shape)}), which has state in this optimizer ({', '.join(sorted(opt_state[p]))}): "
+                    "loading it would reset that parameter's state. Load a checkpoint saved by an "
+                    "optimizer that stepped every parameter, or load it into a new optimizer"
+                )
+            index += 1
 
 
 def _check_tensor(index, key, value, p) -> None:

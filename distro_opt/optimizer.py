@@ -82,7 +82,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         try:
             check_params(self.param_groups[-1]["params"])
             self._check_group(self.param_groups[-1])
-        except ValueError:
+        except (ValueError, TypeError):
             self.param_groups.pop()  # refused: the optimizer stays as it was
             raise
         self._source.add_param_group(self.param_groups[-1])
@@ -158,7 +158,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         entries = self._entries()
         if self._start.checks_due:  # the replicas are compared by their anchors in the local-step mode
             replicas = [self.state.get(p, {}).get("anchor", p) for _, p in entries]
-            self._start.check(self.comm, [p for _, p in entries], replicas)
+            settings = guards.settings_of(
+                self.param_groups, optimizer=type(self).__name__, error_feedback=self.error_feedback,
+                overlap=self.overlap, sync_every=getattr(self, "sync_every", 1),
+            )
+            self._start.check(self.comm, [p for _, p in entries], replicas, settings)
         if not self._source.communicates(self, entries):  # a local step: nothing to send
             self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
             return
@@ -271,8 +275,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         and a bf16 model's float32 error-feedback buffer would lose its low bits.
 
         Everything is checked before anything changes: the optimizer class and mode, every group's
-        settings (a checkpoint of torch's AdamW lacks the compression settings), and each
-        parameter's state (``checkpoint.py``)."""
+        settings (a checkpoint of torch's AdamW lacks the compression settings), each parameter's
+        state (``checkpoint.py``), and that no parameter with state here (its error feedback) is
+        missing from the checkpoint: torch would silently reset that parameter's state."""
         state_dict = dict(checkpoint.by_position(state_dict))
         taken = self._source.take_from(state_dict)
         saved_class = state_dict.pop("optimizer", type(self).__name__)
@@ -295,6 +300,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         row_deltas = checkpoint.check_param_states(
             state_dict, params, chunk_target, self.defaults["compression_chunk"], delta_layout
         )
+        checkpoint.check_no_state_lost(state_dict, self.param_groups, self.state)
         super().load_state_dict(state_dict)
         self._pending = None  # only once the load succeeded: a refused one keeps the update in flight
         self._start.replicas_due = True  # a checkpoint loaded on one rank only would split the replicas

@@ -3,11 +3,30 @@ checks written ``not 0.0 <= x`` so that NaN is rejected too. Run by the construc
 ``add_param_group`` for a group's own values, and on a checkpoint's groups before it is loaded."""
 from __future__ import annotations
 
+import numbers
+
+import torch
+
 from .values import value_codec
+
+
+def check_number(name: str, value) -> None:
+    """A real-valued setting is a number (or a one-element real tensor, as torch allows for lr):
+    ``lr="1e-3"`` is refused naming the setting and its type, where a comparison would raise
+    Python's bare TypeError."""
+    if torch.is_tensor(value):
+        ok = value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    else:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok:
+        raise TypeError(f"Invalid {name}: {value!r} is a {type(value).__name__}, not a number "
+                        f"(pass a float such as {name}=1e-3)")
 
 
 def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits):
     """torch-style validation (``not 0.0 <= x`` so that NaN is rejected too)."""
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("compression_decay", compression_decay)):
+        check_number(name, value)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= weight_decay:
@@ -53,6 +72,12 @@ def check_error_feedback(error_feedback) -> None:
 
 def check_adamw_settings(betas, eps, update, outer_lr, outer_momentum) -> None:
     """torch-style validation of the settings DisTrOAdamW adds (``not 0.0 <= x``: NaN is rejected)."""
+    for name, value in (("eps", eps), ("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
+        check_number(name, value)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(f"Invalid betas: {betas!r} (expected a pair of numbers such as (0.9, 0.999))")
+    for i, beta in enumerate(betas):
+        check_number(f"betas[{i}]", beta)
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
     for i, beta in enumerate(betas):

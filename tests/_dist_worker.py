@@ -135,13 +135,16 @@ def scenario_train(rank, world_size, args):
 
 
 def scenario_mismatch(rank, world_size, args):
-    """Rank 1's model differs: first in payload size (hidden 32), then only in layout (hidden 60)."""
+    """Rank 1's model differs: first in payload size (hidden 32), then only in layout (hidden 60);
+    then the models agree and rank 1's learning rate differs ("settings")."""
     from distro_opt.experiments.train_ddp import TrainConfig, train
 
     calls = {}
     for name, hidden in (("size", 32), ("layout", 60)):
         cfg = TrainConfig(steps=1, hidden=hidden if rank == 1 else 64, log=False)
         calls[name] = outcome(lambda: train(cfg, TorchDistributedBackend(timeout_s=20))["losses"])
+    cfg = TrainConfig(steps=1, lr=0.02 if rank == 1 else 0.01, log=False)
+    calls["settings"] = outcome(lambda: train(cfg, TorchDistributedBackend(timeout_s=20))["losses"])
     return calls
 
 

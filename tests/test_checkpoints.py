@@ -252,3 +252,31 @@ def test_a_checkpoint_without_its_delta_layout_entry_is_told_by_the_shapes():
     fresh = DisTrOAdamW(model.parameters(), lr=0.01)
     fresh.load_state_dict(saved)
     assert all(torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"]) for p in model.parameters())
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_checkpoint_missing_the_state_of_a_parameter_with_state_here_is_refused_before_anything_changes(cls):
+    """torch would reset that parameter's error feedback silently; refused, naming the parameter."""
+    model = make_model()
+    opt = cls(model.parameters(), lr=0.01)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    del saved["state"][2]  # the second Linear's weight
+    train(model, opt, 1, start=2)
+    before = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"no state for parameter 2 \(param group 0, shape \(4, 32\)\).*delta"):
+        opt.load_state_dict(saved)
+    for p, state in zip(model.parameters(), before):
+        assert set(state) == set(opt.state[p]) and all(torch.equal(state[k], opt.state[p][k]) for k in state)
+    fresh = cls(make_model().parameters(), lr=0.01)  # nothing to lose: loads as torch's would
+    fresh.load_state_dict(saved)
+    assert len(fresh.state) == 3
+
+
+def test_a_checkpoint_whose_lr_is_a_string_is_refused_naming_the_group_and_the_type():
+    model = make_model()
+    saved = _edited(_trained_state(model), group={"lr": "1e-3"})
+    target = DisTrOAdamW(model.parameters(), lr=0.01)
+    with pytest.raises(TypeError, match=r"param group 0: Invalid lr: '1e-3' is a str, not a number"):
+        target.load_state_dict(saved)
+    assert target.param_groups[0]["lr"] == 0.01

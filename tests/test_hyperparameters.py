@@ -106,3 +106,30 @@ def test_add_param_group_validates_the_adam_and_outer_step_settings():
     before = model[2].weight.detach().clone()
     train(model, opt, 1)  # an inner step: the added layer moves
     assert len(opt.param_groups) == 2 and not torch.equal(before, model[2].weight)
+
+
+@pytest.mark.parametrize("kwargs, name, kind", [
+    (dict(lr="1e-3"), "lr", "str"), (dict(lr=None), "lr", "NoneType"), (dict(weight_decay="0.1"), "weight_decay", "str"),
+    (dict(compression_decay=[0.9]), "compression_decay", "list"),
+])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_setting_that_is_not_a_number_is_refused_naming_it_and_its_type(cls, kwargs, name, kind):
+    with pytest.raises(TypeError, match=rf"Invalid {name}: .* is a {kind}, not a number"):
+        cls(make_model().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(eps="1e-8"), "eps"), (dict(betas=("0.9", 0.99)), r"betas\[0\]"), (dict(outer_lr="1"), "outer_lr"),
+])
+def test_distro_adamw_refuses_its_own_settings_that_are_not_numbers(kwargs, name):
+    with pytest.raises(TypeError, match=rf"Invalid {name}: .* not a number"):
+        DisTrOAdamW(make_model().parameters(), **kwargs)
+
+
+def test_a_group_lr_that_is_a_string_is_refused_and_the_group_not_kept():
+    model = make_model()
+    opt = DisTrOAdamW(model[0].parameters())
+    with pytest.raises(TypeError, match="Invalid lr: '1e-3' is a str"):
+        opt.add_param_group({"params": model[2].parameters(), "lr": "1e-3"})
+    assert len(opt.param_groups) == 1
+    assert DisTrOAdamW(make_model().parameters(), lr=torch.tensor(0.01)).param_groups[0]["lr"] == 0.01  # as torch

@@ -82,6 +82,60 @@ def test_per_rank_seeds_raise_the_same_error_on_every_worker_before_anything_cha
     assert "the workers hold different parameters" in messages[0] and "rank 2:" in messages[0]
 
 
+@pytest.mark.parametrize("cls, odd", [
+    (DisTrOAdamW, {"lr": 0.02}), (DisTrOAdamW, {"betas": (0.8, 0.999)}), (DisTrOAdamW, {"weight_decay": 0.0}),
+    (DisTrOAdamW, {"eps": 1e-6}), (DisTrOAdamW, {"update": "adam"}), (DisTrOAdamW, {"error_feedback": "kept"}),
+    (DisTrOAdamW, {"compression_decay": 0.9}), (DisTrOAdamW, {"sync_every": 4}), (DisTrOAdamW, {"maximize": True}),
+    (DeMo, {"weight_decay": 0.1}), (DeMo, {"compression_decay": 0.99}), (DeMo, {"overlap": True}),
+], ids=["lr", "betas", "weight_decay", "eps", "update", "error_feedback", "decay", "sync_every", "maximize",
+        "DeMo weight_decay", "DeMo decay", "DeMo overlap"])
+def test_settings_that_differ_on_one_worker_raise_the_same_error_on_every_worker_before_anything_changes(cls, odd):
+    """The same parameters, and one worker given another hyperparameter: all three refuse the first
+    step alike. (Settings that shape the payload, top-k, chunk and bits, fail every step's exchange
+    alike instead: tests/test_workers.py.)"""
+    models = [make_model() for _ in range(3)]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = cls(model.parameters(), comm=comm, **{"lr": 0.01, **(odd if comm.rank == 1 else {})})
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError) as raised:
+            train(model, opt, 1, rank=comm.rank)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and len(opt.state) == 0
+        return str(raised.value).replace(f"seen by rank {comm.rank}", "seen by rank -")
+
+    messages = InProcessBackend.run(3, worker, timeout_s=60)
+    assert messages[0] == messages[1] == messages[2]
+    assert messages[0].startswith("the workers' optimizer settings differ") and "rank 2:" in messages[0]
+    assert "different parameters" not in messages[0]
+
+
+def test_a_learning_rate_changed_on_one_worker_before_a_load_fails_the_next_step_and_alike_passes():
+    models = [make_model(), make_model()]
+
+    def worker(comm):
+        model = models[comm.rank]
+        opt = DisTrOAdamW(model.parameters(), lr=0.01, comm=comm)
+        train(model, opt, 2, rank=comm.rank)
+        saved = opt.state_dict()
+        for group in opt.param_groups:  # a scheduler's step on every worker alike: still one model
+            group["lr"] = 0.005
+        train(model, opt, 1, rank=comm.rank, start=2)
+        opt.load_state_dict(saved)
+        if comm.rank == 0:
+            opt.param_groups[0]["lr"] = 1  # the int 1 against 1.0 is the same setting
+        for group in opt.param_groups if comm.rank == 1 else ():
+            group["lr"] = 1.0
+        train(model, opt, 1, rank=comm.rank, start=3)
+        opt.load_state_dict(saved)
+        opt.param_groups[0]["lr"] = 0.01 * (comm.rank + 1)  # one scheduler per rank gone astray
+        with pytest.raises(ValueError, match="optimizer settings differ"):
+            train(model, opt, 1, rank=comm.rank, start=4)
+        return opt.replica_check_stats.steps
+
+    assert InProcessBackend.run(2, worker, timeout_s=60) == [3, 3]
+
+
 def test_a_model_checkpoint_loaded_on_one_worker_only_fails_the_next_step():
     models = [make_model(), make_model()]
 
@@ -101,7 +155,7 @@ def test_a_model_checkpoint_loaded_on_one_worker_only_fails_the_next_step():
         return opt.replica_check_stats
 
     for stats in InProcessBackend.run(2, worker, timeout_s=60):
-        assert stats.steps == 3 and stats.bytes_sent == 3 * CHECKSUM_NBYTES  # one peer, 8 bytes each
+        assert stats.steps == 3 and stats.bytes_sent == 3 * CHECKSUM_NBYTES  # one peer, CHECKSUM_NBYTES each
 
 
 def test_local_steps_compare_the_anchor_the_workers_agree_on():

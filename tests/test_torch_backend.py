@@ -293,6 +293,14 @@ def test_models_that_differ_fail_the_replica_check_at_the_first_step_on_every_ra
     assert errors[0] == errors[1].replace("seen by rank 1", "seen by rank 0")  # every rank, alike
 
 
+def test_a_learning_rate_that_differs_on_one_rank_fails_the_first_step_on_every_rank(two_ranks):
+    results = job(two_ranks, "mismatch")
+    assert [res["settings"]["error_type"] for res in results] == ["ValueError", "ValueError"]
+    errors = [res["settings"]["error"] for res in results]
+    assert errors[0].startswith("the workers' optimizer settings differ") and "different parameters" not in errors[0]
+    assert errors[0] == errors[1].replace("seen by rank 1", "seen by rank 0")  # every rank, alike
+
+
 def test_inf_grads_on_one_rank_with_grad_scaler_keep_every_rank_in_step(two_ranks):
     results = job(two_ranks, "inf")
     assert results[1]["losses"][2] == float("inf") and results[0]["losses"][2] < 1
