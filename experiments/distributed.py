@@ -28,12 +28,10 @@ import torch
 import torch.distributed as dist
 
 from distro_opt.cli_args import UsageError, fail, os_error_message
-from distro_opt.comm import SingleWorkerBackend, resolve_backend
+from distro_opt.comm import resolve_backend
 from distro_opt.comm.torch_backend import CollectiveError, TorchDistributedBackend
 
-from .arms import ALONE, job_workers
 from .checkpoint import CheckpointError, CheckpointStore
-from .coordination import LossTable
 from .data import CorpusError, check_corpus_fits, load_corpus
 from .hybrid import check_shard_degree, hybrid_mesh
 from .metrics import MetricsSink, truncate_metrics
@@ -182,8 +180,7 @@ def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, 
             if finished(args.out, arm, seed):
                 continue
             job = Job.create(arm, seed, preset, corpus, args.out, args.resume)
-            alone = arm.kind == ALONE
-            store = CheckpointStore(args.out, arm.slug, seed, job_workers(arm, world))
+            store = CheckpointStore(args.out, arm.slug, seed, world)
             if rank == 0:
                 if args.resume:
                     step = store.latest_step()
@@ -197,11 +194,7 @@ def _start_and_train(args, preset, arms, use_cuda, started: dict) -> tuple[int, 
                     progress=not args.no_progress,
                 )
             collective("the barrier before a job", dist.barrier)
-            if alone:  # every rank trains the same world of one (no collective to wait in); rank 0 saves it
-                result = run_worker(SingleWorkerBackend(), job, LossTable(preset.timeout_s), None,
-                                    started.get("sink"), None, saves=rank == 0)
-            else:
-                result = run_worker(backend, job, DistLossMean(device), None, started.get("sink"), hybrid)
+            result = run_worker(backend, job, DistLossMean(device), None, started.get("sink"), hybrid)
             gathered = [None] * world if rank == 0 else None
             collective("the gather of the results", dist.gather_object, result, gathered, dst=0)
             if rank == 0:

@@ -61,7 +61,8 @@ def build_parser() -> Parser:
         "--no-alone",
         action="store_true",
         help="do not add the alone arm (AdamW on one worker, same per-worker batch and steps, no network), "
-        "which a run of several workers otherwise adds to measure each arm's retained gain R",
+        "which an in-process run of several workers with an adamw arm otherwise adds to measure each "
+        "arm's retained gain R (under torchrun it is not added: run it in-process)",
     )
     add_preset_flags(p, Preset, PRESETS)
     p.epilog = (
@@ -169,29 +170,25 @@ def finish(out: Path, plots: bool) -> dict:
     return summary
 
 
-def _workers(preset: Preset) -> int:
-    """The workers this run trains with: the preset's in-process, a torchrun job's replicas under it."""
-    world = os.environ.get("WORLD_SIZE")
-    if world is None:
-        return preset.workers
-    if not world.isdigit():
-        raise ValueError(f"Invalid WORLD_SIZE {world!r} in the environment (expected a positive integer)")
-    return int(world) // max(1, preset.shard_degree)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         preset = apply_overrides(get_preset(args.preset), args)
         arms = parse_arms(preset.arms)  # first: what was typed, before what the preset brings
-        if not args.no_alone:
-            arms = with_alone(arms, _workers(preset))
+        distributed = "WORLD_SIZE" in os.environ
+        if distributed and any(a.kind == ALONE for a in arms):
+            raise ValueError("the alone arm (one worker, no network) runs in-process: run it without "
+                             "torchrun, with the same preset flags")
+        typed = arms
+        if not args.no_alone and not distributed:
+            arms = with_alone(arms, preset.workers)
         arms = expand(arms, parse_sweep(preset.sweep), preset.lr)
         preset.validate()
         for arm in arms:
             check_arm(arm, preset)
-        if refusal := peer_start_error(
-            arms, args.resume, distributed="WORLD_SIZE" in os.environ, shard_degree=preset.shard_degree
+        if refusal := peer_start_error(  # named as typed: the alone arm is the runner's own
+            expand(typed, parse_sweep(preset.sweep), preset.lr), args.resume, distributed=distributed,
+            shard_degree=preset.shard_degree,
         ):
             raise ValueError(refusal)
     except ValueError as exc:

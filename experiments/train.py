@@ -161,9 +161,8 @@ def run_worker(backend, job: Job, losses, stop: StopSignal | None, sink, hybrid=
     """Train ``job.arm`` on worker ``backend.rank``; worker 0 also evaluates, and the rank given a
     ``sink`` logs and reports progress.
 
-    The alone arm (``arms.ALONE``) is trained on a world of one (``SingleWorkerBackend``): AdamW with
-    no all-reduce. ``saves`` False: this worker writes no checkpoint (torchrun ranks that all train
-    the same alone arm, of which rank 0 keeps the files).
+    The alone arm (``arms.ALONE``) is trained on a world of one: AdamW with no all-reduce. ``saves``
+    False: this worker writes no checkpoint.
 
     ``losses`` averages the train loss over workers (``LossTable`` or a torch.distributed reducer);
     ``sink`` (one rank only) receives one metrics row per step. ``hybrid`` (``hybrid.HybridMesh``):

@@ -129,3 +129,10 @@ def test_the_volunteer_preset_spreads_smokes_global_batch_over_16_workers():
     tokens = lambda p: p.workers * p.batch_size * p.seq_len  # noqa: E731
     assert tokens(volunteer) == tokens(smoke) == 2048
     assert (volunteer.steps, volunteer.d_model, volunteer.sharding) == (smoke.steps, smoke.d_model, "contiguous")
+
+
+def test_the_alone_arm_under_torchrun_is_refused_naming_the_in_process_way(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run.main(tiny_args(corpus, tmp_path / "x", extra=("--arms", "adamw,alone"))) == 2
+    assert "the alone arm (one worker, no network) runs in-process" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -84,8 +84,8 @@ def test_help_gives_each_presets_value_rather_than_the_smokes_as_every_default(c
     with pytest.raises(SystemExit):
         run.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(smoke: 300, parity: 3000, llama-1.2b: 25000)" in text  # --steps
-    assert "(smoke: '0', parity: '0,1', llama-1.2b: '0')" in text  # --seeds
+    assert "(smoke: 300, parity: 3000, volunteer: 300, llama-1.2b: 25000)" in text  # --steps
+    assert "(smoke: '0', parity: '0,1', volunteer: '0', llama-1.2b: '0')" in text  # --seeds
     assert "preset default" not in text
 
 
@@ -193,9 +193,17 @@ def test_resume_from_a_bad_checkpoint_names_the_file_before_any_arm_trains(corpu
     assert _files(tmp_path / "run") == before
 
 
-def test_torch_distributed_resume_from_a_bad_checkpoint_is_a_one_line_error_on_every_rank(corpus, straight,
-                                                                                           tmp_path):
-    shutil.copytree(straight, tmp_path / "run")
+@pytest.fixture(scope="module")
+def straight_without_alone(corpus, tmp_path_factory):
+    """``straight`` as a torchrun job trains it: the runner adds the alone arm only in-process."""
+    out = tmp_path_factory.mktemp("runs") / "straight-without-alone"
+    assert run.main(tiny_args(corpus, out, steps=40, extra=("--no-alone",))) == 0
+    return out
+
+
+def test_torch_distributed_resume_from_a_bad_checkpoint_is_a_one_line_error_on_every_rank(
+        corpus, straight_without_alone, tmp_path):
+    shutil.copytree(straight_without_alone, tmp_path / "run")
     for result in (tmp_path / "run" / "results").iterdir():
         result.unlink()
     path, problem = _truncate_rank1(tmp_path / "run")
@@ -484,7 +492,8 @@ def _run_two_ranks(args, tmp_path):
     return wait_all(procs, 240)
 
 
-def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight, tmp_path):
+def test_torch_distributed_ranks_train_like_in_process_workers(corpus, straight_without_alone, tmp_path):
+    straight = straight_without_alone
     out = tmp_path / "dist"
     for code, err in _run_two_ranks(tiny_args(corpus, out, steps=40), tmp_path):
         assert code == 0, err

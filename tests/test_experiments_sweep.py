@@ -100,7 +100,7 @@ def test_a_sweep_run_reports_the_tuned_points_in_summary_and_frontier(corpus, tm
     assert "Tuned, best vs best" in printed and f"| distro | lr={tuned['arms']['distro']['point']['lr']}" in printed
     assert frontier.main([str(out), "--out", str(tmp_path / "frontier")]) == 0
     table = (tmp_path / "frontier" / "frontier.md").read_text()
-    assert "`distro (tuned: lr=" in table and table.count("| sweep |") == 2
+    assert "`distro (tuned: lr=" in table and table.count("| sweep |") == 3  # adamw, alone, distro
 
 
 def test_a_bad_sweep_is_a_one_line_error_before_the_run_directory_exists(corpus, tmp_path, capsys):
