@@ -26,6 +26,7 @@ from test_torch_backend import HEADER_BYTES, expect_success, launch
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 RANK_SCRIPT = Path(__file__).with_name("_example_rank.py")
 DDP_SCRIPT = Path(__file__).with_name("_ddp_beside_distro.py")
+CHECKPOINTS_SCRIPT = Path(__file__).with_name("_two_rank_checkpoints.py")
 
 
 def launch_script(script: Path, world_size: int, tmp: Path):
@@ -139,3 +140,82 @@ def test_without_ddp_prepares_models_unwrapped_and_refuses_set_ups_that_reduce_g
     for kind in ("FSDP", "DEEPSPEED"):
         with pytest.raises(ValueError, match=f"set up for {kind}"):
             without_ddp(SimpleNamespace(distributed_type=SimpleNamespace(name=kind), prepare_model=None))
+
+
+# -- checkpoints: each rank's optimizer state --------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["hf_trainer_resume", "accelerate_resume"])
+def resume_example(request, tmp_path_factory):
+    return request.param, _launch_example(request.param, 2, tmp_path_factory)
+
+
+def test_a_resumed_two_rank_run_equals_the_uninterrupted_one_bit_for_bit(resume_example):
+    """Each example trains 8 steps straight, then 4 steps, a checkpoint, and 4 more resumed from it
+    (three optimizers per rank, in that order). Every rank's resumed steps see the gradients of the
+    straight run's last 4 steps and end at its parameters, bit for bit."""
+    name, ranks = resume_example
+    for rank in ranks:
+        straight, interrupted, resumed = rank["optimizers"]
+        assert [len(o["grads"]) for o in (straight, interrupted, resumed)] == [8, 4, 4], name
+        assert interrupted["grads"] == straight["grads"][:4] and resumed["grads"] == straight["grads"][4:]
+        assert all(torch.equal(a, b) for a, b in zip(resumed["start"], interrupted["params"]))
+        assert all(torch.equal(a, b) for a, b in zip(resumed["params"], straight["params"]))
+        assert not all(torch.equal(a, b) for a, b in zip(resumed["params"], interrupted["params"]))
+        assert rank["warnings"] == []
+    grads = [rank["optimizers"][0]["grads"] for rank in ranks]
+    assert all(a != b for a, b in zip(*grads))  # two workers with their own data: their own error feedback
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoints(tmp_path_factory):
+    """A DisTrOTrainer and an accelerate checkpoint, each saved by 2 ranks."""
+    tmp = tmp_path_factory.mktemp("two_rank_checkpoints")
+    root = tmp / "saved"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DISTRO_TEST_CHECKPOINTS", str(root))
+        expect_success(*launch_script(CHECKPOINTS_SCRIPT, 2, tmp), tmp)
+    return root
+
+
+def test_two_rank_checkpoints_hold_each_other_ranks_optimizer_state(two_rank_checkpoints):
+    trainer, accelerate = two_rank_checkpoints / "trainer" / "checkpoint-2", two_rank_checkpoints / "accelerate"
+    rank0, rank1 = torch.load(trainer / "optimizer.pt"), torch.load(trainer / "optimizer-rank1.pt")
+    assert rank0["state"].keys() == rank1["state"].keys()
+    assert not torch.equal(rank0["state"][0]["delta"], rank1["state"][0]["delta"])  # each one's error feedback
+    (acc1,) = torch.load(accelerate / "optimizers-rank1.pt")
+    acc0 = torch.load(accelerate / "optimizer.bin", weights_only=False)
+    assert not torch.equal(acc0["state"][0]["delta"], acc1["state"][0]["delta"])
+
+
+def test_a_trainer_checkpoint_of_two_ranks_is_refused_on_one(two_rank_checkpoints):
+    sys.path.insert(0, str(CHECKPOINTS_SCRIPT.parent))
+    from _two_rank_checkpoints import tiny_gpt2, tokens, trainer_args
+
+    from distro_opt.integrations.hf import DisTrOTrainer
+
+    out = two_rank_checkpoints.parent / "one_rank"
+    trainer = DisTrOTrainer(model=tiny_gpt2(), args=trainer_args(str(out), 4), train_dataset=tokens())
+    with pytest.raises(ValueError, match="holds the optimizer state of 2 ranks, and this run has 1"):
+        trainer.train(resume_from_checkpoint=str(two_rank_checkpoints / "trainer" / "checkpoint-2"))
+    assert len(trainer.optimizer.optimizer.state) == 0  # nothing was loaded into it, nothing trained
+    assert not (out / "checkpoint-4").exists()
+
+
+def test_an_accelerate_checkpoint_of_two_ranks_is_refused_on_one_before_anything_changes(two_rank_checkpoints):
+    sys.path.insert(0, str(CHECKPOINTS_SCRIPT.parent))
+    from _two_rank_checkpoints import small_model
+
+    from accelerate import Accelerator
+
+    from distro_opt import DisTrOAdamW
+    from distro_opt.integrations.accelerate import load_state, without_ddp
+
+    accelerator = without_ddp(Accelerator(cpu=True))
+    model = small_model()
+    model, opt = accelerator.prepare(model, DisTrOAdamW(model.parameters(), lr=1e-3))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="holds the optimizer state of 2 ranks, and this run has 1"):
+        load_state(accelerator, str(two_rank_checkpoints / "accelerate"), opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the saved model not loaded
+    assert len(opt.optimizer.state) == 0

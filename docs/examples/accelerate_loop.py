@@ -1,5 +1,6 @@
-"""accelerate without DDP: `accelerate launch --num_processes 2 docs/examples/accelerate_loop.py`
-(or torchrun)."""
+"""accelerate without DDP: `accelerate launch --multi_gpu --num_processes 2 docs/examples/accelerate_loop.py`
+(or torchrun). On CPUs too: --multi_gpu picks accelerate's multi-process launcher, where --cpu
+would start one process whatever --num_processes says."""
 import torch
 from accelerate import Accelerator
 
