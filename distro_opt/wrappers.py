@@ -89,5 +89,5 @@ def warning_text(wrappers: list[str], optimizer: str) -> str:
         f"ranks that {optimizer} also exchanges compressed momentum with: each step pays for both, and "
         "the compression saves nothing. Leave the model unwrapped, or run forward and backward under "
         "model.no_sync(); with transformers' Trainer use distro_opt.integrations.hf.DisTrOTrainer, with "
-        "accelerate distro_opt.integrations.accelerate.prepare (docs/integrations.md)."
+        "accelerate distro_opt.integrations.accelerate.without_ddp (docs/integrations.md)."
     )
