@@ -14,7 +14,7 @@ from distro_opt.cli_args import Parser
 
 
 HELP = {
-    "steps": "optimizer steps to run",
+    "steps": "optimizer steps to run in this launch (with --resume-dir: steps after the checkpoint's, not a total)",
     "seed": "seed of the weights and of every rank's data",
     "batch_size": "samples per rank per step",
     "in_features": "MLP input width",
