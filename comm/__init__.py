@@ -89,14 +89,36 @@ def resolve_backend(comm=None, process_group=None, environ=None) -> Backend:
 
 
 def _warn_if_launched_as_ranks(environ) -> None:
+    problem = _launch_problem(environ)
+    if problem is not None:
+        warn_at_caller(f"distro-opt: {problem}")
+
+
+def _launch_problem(environ) -> str | None:
+    """What in a launcher's environment asks for several ranks where this process sees no
+    torch.distributed group, as a sentence; None if nothing does.
+
+    torchrun (and accelerate's multi-process launcher) set ``WORLD_SIZE``. accelerate's simple
+    launcher, which ``accelerate launch --num_processes N`` picks on CPUs unless ``--multi_gpu`` is
+    given, starts one process and sets no ``WORLD_SIZE``, but sets ``MASTER_PORT`` for N > 1 beside
+    its ``ACCELERATE_*`` variables: that is the case told apart here.
+    """
+    alone = "so this rank trains alone as a single worker and exchanges nothing."
     try:
         world_size = int(environ.get("WORLD_SIZE", "1"))
     except ValueError:
-        return
+        return None
     if world_size > 1:
-        warn_at_caller(
-            f"distro-opt: WORLD_SIZE={world_size} but no torch.distributed process group is "
-            "initialized, so this rank trains alone as a single worker and exchanges nothing. Call "
-            "torch.distributed.init_process_group() before the optimizer's first step (or pass comm= "
-            "a backend or ProcessGroup)."
+        return (
+            f"WORLD_SIZE={world_size} but no torch.distributed process group is initialized, {alone} "
+            "Call torch.distributed.init_process_group() before the optimizer's first step (or pass "
+            "comm= a backend or ProcessGroup)."
         )
+    if "WORLD_SIZE" not in environ and "MASTER_PORT" in environ and any(k.startswith("ACCELERATE_") for k in environ):
+        return (
+            "accelerate launch was asked for several processes (its launcher set MASTER_PORT) but started "
+            f"only this one, {alone} On CPUs accelerate starts several processes only with --multi_gpu: "
+            "accelerate launch --multi_gpu --num_processes 2 SCRIPT (docs/integrations.md), or torchrun "
+            "--nproc-per-node 2 SCRIPT."
+        )
+    return None

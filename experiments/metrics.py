@@ -149,15 +149,27 @@ def expected_bytes_per_collective(kind: str, payload_nbytes: int, world_size: in
 
 
 def job_summary(rows: list[dict], result: dict) -> dict:
-    """One (arm, seed): final losses, bytes per step per worker, and their check against the formula."""
+    """One (arm, seed): final losses, bytes per step per worker, and their check against the formula.
+
+    A worker is one replica: in a hybrid run (``shard_degree`` S > 1) its S ranks each send their
+    shard's payload, and the worker's bytes, the ratios' denominators, are their sum (what the whole
+    model costs to send); ``compression_vs_dense_bf16_per_rank`` is one rank's figure, S times that.
+    """
     steps = rows[-1]["step"]
     n, world = result["n_params"], result["world_size"]
-    sent, received = rows[-1]["cum_sent_bytes"], rows[-1]["cum_received_bytes"]
+    rank_sent = rows[-1]["cum_sent_bytes"]  # rank 0's (the metrics sink's), as the formula's check
     per_collective = expected_bytes_per_collective(result["kind"], result["payload_nbytes"], world)
     # an arm whose collectives differ in size (powersgd) states its own total, from the model's shapes
     expected_total = result.get("expected_sent_bytes", per_collective * rows[-1]["collectives"])
     # a compression warm-up's payload changes size: its worker added the sizes up step by step
-    message_per_step = result.get("message_bytes", result["payload_nbytes"] * rows[-1]["collectives"]) / steps
+    collectives = rows[-1]["collectives"]
+    rank_message = result.get("message_bytes", result["payload_nbytes"] * collectives) / steps
+    replica = result["workers"][: result.get("shard_degree", 1)]
+    if len(replica) > 1:
+        sent, received = sum(w["sent"] for w in replica), sum(w["received"] for w in replica)
+        message = result.get("replica_message_bytes", result["replica_payload_nbytes"] * collectives) / steps
+    else:
+        sent, received, message = rank_sent, rows[-1]["cum_received_bytes"], rank_message
     check_bytes = CommStats.all_gather_bytes(CHECKSUM_NBYTES, world)
     val = [r for r in rows if r["val_loss"] is not None]
     steps_rows = [r for r in rows if r["step"] > 0]
@@ -166,9 +178,10 @@ def job_summary(rows: list[dict], result: dict) -> dict:
         "initial_val_loss": val[0]["val_loss"],
         "final_val_loss": val[-1]["val_loss"],
         "final_train_loss": steps_rows[-1]["train_loss"],
+        "shard_degree": len(replica),
         "sent_bytes_per_step": sent / steps,
         "received_bytes_per_step": received / steps,
-        "peak_sent_bytes_per_step": max(r["sent_bytes"] for r in steps_rows),
+        "peak_sent_bytes_per_step": max(r["sent_bytes"] for r in steps_rows),  # rank 0's
         "payload_nbytes": result["payload_nbytes"],
         "expected_sent_bytes": expected_total,
         "bytes_match_formula": all(
@@ -180,8 +193,9 @@ def job_summary(rows: list[dict], result: dict) -> dict:
         "replica_check_sent_bytes": result["workers"][0].get("check_sent", 0),
         "workers_sent_bytes": [w["sent"] for w in result["workers"]],
         # A backend's own framing (e.g. a length prefix) shows up here; in-process it is 0.
-        "sent_minus_formula_bytes_per_step": (sent - expected_total) / steps,
-        "compression_vs_dense_bf16": BF16_BYTES * n / message_per_step if message_per_step else None,
+        "sent_minus_formula_bytes_per_step": (rank_sent - expected_total) / steps,
+        "compression_vs_dense_bf16": BF16_BYTES * n / message if message else None,
+        "compression_vs_dense_bf16_per_rank": BF16_BYTES * n / rank_message if rank_message else None,
         "compression_vs_ring_allreduce_bf16": CommStats.ring_all_reduce_bytes(BF16_BYTES * n, world)
         * steps
         / sent
@@ -219,6 +233,7 @@ def summarize(config: dict, rows: list[dict], results: dict) -> dict:
     out = {
         "preset": config["preset"]["name"],
         "workers": config["workers"],
+        "shard_degree": config["preset"].get("shard_degree", 1),
         "reference": ref,
         "alone": alone,
         "data_parallel_gain_per_seed": {},
@@ -276,11 +291,13 @@ def summarize(config: dict, rows: list[dict], results: dict) -> dict:
             **{
                 k: first[k]
                 for k in (
+                    "shard_degree",
                     "sent_bytes_per_step",
                     "received_bytes_per_step",
                     "peak_sent_bytes_per_step",
                     "payload_nbytes",
                     "compression_vs_dense_bf16",
+                    "compression_vs_dense_bf16_per_rank",
                     "compression_vs_ring_allreduce_bf16",
                     "compression_vs_naive_gather_bf16",
                     "tokens",
@@ -301,7 +318,14 @@ def _fmt(x, spec=".3f"):
 
 def _ratio(x) -> str:
     """A compression ratio, ``920.6x``; ``-`` for an arm that sends nothing (alone)."""
-    return "-" if x is None else f"{x:.1f}x"
+    return "-" if x is None else f"{x:,.1f}x"
+
+
+def _dense_ratio(arm: dict) -> str:
+    """The vs-dense ratio of a worker (a replica), with one rank's beside it in a hybrid run."""
+    if arm.get("shard_degree", 1) > 1 and arm.get("compression_vs_dense_bf16") is not None:
+        return f"{_ratio(arm['compression_vs_dense_bf16'])} ({_ratio(arm['compression_vs_dense_bf16_per_rank'])} per rank)"
+    return _ratio(arm["compression_vs_dense_bf16"])
 
 
 def markdown_table(summary: dict) -> str:
@@ -328,7 +352,7 @@ def markdown_table(summary: dict) -> str:
         gain = per_seed_pct(a.get("retained_gain_pct_mean"), a.get("retained_gain_pct_per_seed", []), ".0f")
         lines.append(
             f"| {label} | {loss} | {gap} | {gain} | {_human(a['sent_bytes_per_step'])} | "
-            f"{_human(a['received_bytes_per_step'])} | {_ratio(a['compression_vs_dense_bf16'])} | "
+            f"{_human(a['received_bytes_per_step'])} | {_dense_ratio(a)} | "
             f"{_ratio(a['compression_vs_ring_allreduce_bf16'])} | "
             f"{_ratio(a['compression_vs_naive_gather_bf16'])} | {a['tokens']:,} | "
             f"{a['wall_s_mean']:.1f} s |"
@@ -341,6 +365,12 @@ def markdown_table(summary: dict) -> str:
         "the DisTrO report's convention. The AdamW arm all-reduces an fp32 gradient (0.5x a bf16 one); "
         "the alone arm sends nothing.",
     ]
+    degree = summary.get("shard_degree", 1)
+    if degree > 1:
+        lines[-1] += (
+            f" Hybrid run, shard degree {degree}: a worker is one replica of {degree} ranks, each "
+            "sending its shard's payload; a worker's bytes and ratios are its ranks' sum (what the whole "
+            f"model costs to send), and one rank's ratio, {degree} times larger, is in parentheses.")
     if summary.get("tuned"):
         lines += ["", tuned_table(summary["tuned"])]
     return "\n".join(lines) + "\n"

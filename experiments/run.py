@@ -141,6 +141,9 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
     if job.arm.kind == ALONE:  # torchrun: every rank trained the same alone arm; one is the arm
         workers = workers[:1]
     first = workers[0]
+    # a hybrid run's ranks 0..S-1 are replica 0 (consecutive ranks shard one replica): its ranks'
+    # payloads together are what the whole model costs to send
+    replica = workers[: len(workers) // first["world_size"]]
     result = {
         "arm": job.arm.label,
         "kind": job.arm.kind,
@@ -151,6 +154,9 @@ def record_result(out: Path, job: Job, workers: list[dict]) -> None:
         "n_params": first["n_params"],
         # arms whose payload size changes (a compression warm-up) or whose collectives differ (powersgd)
         **{k: first[k] for k in ("expected_sent_bytes", "message_bytes") if k in first},
+        "shard_degree": len(replica),
+        "replica_payload_nbytes": sum(w["payload_nbytes"] for w in replica),
+        **({"replica_message_bytes": sum(w["message_bytes"] for w in replica)} if "message_bytes" in first else {}),
         "workers": [
             {k: w[k] for k in ("rank", *COUNTERS, "wall_s")} for w in workers
         ],

@@ -6,7 +6,8 @@ every step of each distro-opt optimizer (a global step pre-hook: a checksum of i
 the parameters before its first step), what the process wrote in all (``wchar`` of /proc/self/io:
 the sockets' bytes included), the distro-opt warnings, and at the end each optimizer's counters and
 parameters, and the example's ``PHASES`` if it defines one (test-only scripts). Saved to
-OUTDIR/rank{RANK}.pt as ``{"example": result}``, the layout ``launch`` reads.
+OUTDIR/rank{RANK}.pt as ``{"example": result}``, the layout ``launch`` reads. The process then ends
+through ``process_group.end_process``, not the interpreter's finalization.
 
 The launcher sets RANK, WORLD_SIZE and DISTRO_OPT_RENDEZVOUS_FILE, as for every multi-process test
 here: the example's (or accelerate's) call of ``torch.distributed.init_process_group`` meets the
@@ -20,13 +21,14 @@ import json
 import os
 import runpy
 import sys
+import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from distro_opt.experiments.process_group import remove_rendezvous_file, start_process_group
+from distro_opt.experiments.process_group import end_process, remove_rendezvous_file, start_process_group
 from distro_opt.optimizer import DecoupledMomentumOptimizer
 from distro_opt.shards import local
 
@@ -106,4 +108,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # not through the interpreter's finalization, where a Gloo rank can abort after its work is done
+    # (end_process); a failed rank leaves its group as it is, as a peer may be gone
+    end_process(code, None, destroy_group=code == 0)

@@ -9,7 +9,9 @@ per step would send), and nothing warned.
 """
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
 import sys
 import runpy
@@ -110,6 +112,34 @@ def test_ddp_or_fsdp1_beside_distro_opt_warns_once_unless_its_all_reduce_is_off(
         assert "model.no_sync()" in phases["synced"][0]
         assert phases["no_sync"] == [] and phases["own_group"] == []
         assert len(phases["fsdp1"]) == 1 and "wrapped in FullyShardedDataParallel" in phases["fsdp1"][0]
+
+
+def accelerate_launch(flags, script, cwd, timeout_s=180):
+    """``accelerate launch FLAGS SCRIPT`` as a user types it (a free port for its rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *flags, "--main_process_port", str(port),
+               str(script)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT")}
+    return subprocess.run(command, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def test_the_docs_accelerate_command_starts_two_cpu_processes_that_exchange_payloads(tmp_path):
+    done = accelerate_launch(["--multi_gpu", "--num_processes", "2"], EXAMPLES / "accelerate_loop.py", tmp_path)
+    assert done.returncode == 0, done.stderr
+    ranks = re.findall(r"rank (\d): loss \S+, (\d+) bytes sent", done.stdout)
+    assert sorted(r for r, _ in ranks) == ["0", "1"] and all(int(b) > 0 for _, b in ranks), done.stdout
+    assert "distro-opt" not in done.stderr
+
+
+def test_an_accelerate_launch_that_starts_one_process_for_several_says_so(tmp_path):
+    done = accelerate_launch(["--cpu", "--num_processes", "2"], EXAMPLES / "accelerate_loop.py", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"rank (\d): loss \S+, (\d+) bytes sent", done.stdout) == [("0", "0")]  # one, alone
+    notice = [line for line in done.stderr.splitlines() if "accelerate launch was asked for several" in line]
+    assert len(notice) == 1 and "--multi_gpu --num_processes 2" in notice[0], done.stderr
 
 
 def test_the_docs_page_shows_each_example_file_as_it_is():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distro_opt import DeMo, DisTrOAdamW
-from distro_opt.comm import InProcessBackend, SingleWorkerBackend
+from distro_opt.comm import InProcessBackend, SingleWorkerBackend, resolve_backend
 from distro_opt.guards import CHECKSUM_NBYTES
 
 from _models import batch, make_model, train
@@ -46,6 +46,17 @@ def test_world_size_from_a_launcher_without_a_group_warns_once(monkeypatch):
     caught = distro_warnings(lambda: train(model, opt, 3))
     launcher = [m for m in caught if "WORLD_SIZE=2" in m]
     assert len(launcher) == 1 and "init_process_group() before the optimizer's first step" in launcher[0]
+
+
+@pytest.mark.parametrize("environ", [
+    {},  # a plain `python script.py`
+    {"WORLD_SIZE": "1", "MASTER_PORT": "29500"},  # torchrun --nproc-per-node 1
+    {"ACCELERATE_USE_CPU": "True"},  # accelerate launch --num_processes 1: no rendezvous port set
+    {"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "29500", "WORLD_SIZE": "1"},
+])
+def test_a_launch_of_one_process_that_asked_for_one_gets_no_launcher_notice(environ):
+    caught = distro_warnings(lambda: resolve_backend(environ=environ))
+    assert caught == []
 
 
 def test_one_worker_that_compresses_gets_one_notice_at_its_first_step():

@@ -138,6 +138,35 @@ def test_hybrid_bytes_per_step_are_the_local_shards_payload(runs, corpus):
     assert adamw["payload_nbytes"] == 4 * sum(torch.Size(s).numel() for s in local)
 
 
+def test_a_hybrid_runs_ratios_are_per_replica_with_one_ranks_beside_them(runs):
+    hybrid, plain = runs
+    summary, unsharded = (json.loads((out / "summary.json").read_text()) for out in runs)
+    distro = _result(hybrid, "distro")
+    config = json.loads((hybrid / "config.json").read_text())
+    shapes = parameter_shapes(type(get_preset("smoke"))(**config["preset"]).model_config(config["vocab_size"]))
+    shard = PayloadLayout([param_spec((s[0] // 2, *s[1:]), TOPK, CHUNK, 1) for _, s in shapes]).nbytes
+    n = sum(torch.Size(s).numel() for _, s in shapes)
+    arm = summary["arms"][distro["arm"]]
+    # replica 0 is ranks 0 and 1, one half of every tensor each: the whole model costs both payloads
+    assert (arm["shard_degree"], distro["replica_payload_nbytes"]) == (2, 2 * shard)
+    assert arm["compression_vs_dense_bf16"] == pytest.approx(2 * n / (2 * shard))
+    assert arm["compression_vs_dense_bf16_per_rank"] == pytest.approx(2 * n / shard)
+    rows = [json.loads(line) for line in (hybrid / "metrics.jsonl").read_text().splitlines()]
+    rank0 = max((r for r in rows if r["arm"] == distro["arm"]), key=lambda r: r["step"])  # its sink's
+    assert arm["sent_bytes_per_step"] == 2 * rank0["cum_sent_bytes"] / STEPS  # two equal halves
+    # the same coefficients as the unsharded run (not twice as few), which sends them in one payload
+    # where a replica sends two, each with its own fixed bytes (a few percent of this tiny model's)
+    assert arm["compression_vs_dense_bf16"] == pytest.approx(
+        unsharded["arms"][distro["arm"]]["compression_vs_dense_bf16"], rel=0.05)
+    # AdamW: every rank all-reduces its shard's fp32 gradient, a replica the whole model's, as unsharded
+    assert summary["arms"]["adamw"]["compression_vs_dense_bf16"] == pytest.approx(0.5)
+    assert unsharded["arms"]["adamw"]["compression_vs_dense_bf16"] == pytest.approx(0.5)
+    table = (hybrid / "summary.md").read_text()
+    assert f"{arm['compression_vs_dense_bf16']:,.1f}x ({arm['compression_vs_dense_bf16_per_rank']:,.1f}x per rank)" in table
+    assert "shard degree 2: a worker is one replica of 2 ranks" in table
+    assert "per rank" not in (plain / "summary.md").read_text()
+
+
 def test_llama_preset_shards_each_replica_over_one_node_of_8():
     preset = get_preset("llama-1.2b")
     assert (preset.shard_degree, preset.activation_checkpointing, preset.autocast) == (8, True, "bf16")
