@@ -9,6 +9,7 @@ per step would send), and nothing warned.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -155,6 +156,31 @@ def test_transformers_and_accelerate_are_imported_only_by_their_integrations():
             "print(sorted({'transformers', 'accelerate'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_the_trainer_integration_imports_transformers_and_torchao_without_their_start_up_lines():
+    code = "import sys, distro_opt.integrations.hf\nprint('torchao' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr  # the test extra's torchao
+    assert done.stderr == ""
+
+
+def test_quiet_torchao_drops_only_its_two_known_lines_and_only_inside_the_block(caplog):
+    from distro_opt.integrations.quiet_import import quiet_torchao
+
+    kernel = "Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: no CUDA"
+    enum = "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as"
+    other = "Failed to load /venv/site-packages/other/_C.so: missing"
+    with caplog.at_level(logging.WARNING):
+        with quiet_torchao():
+            logging.getLogger("torchao").warning(kernel)
+            logging.getLogger("torch.utils._pytree").warning(enum)
+            logging.getLogger("torchao").warning(other)
+            logging.getLogger("torchao").warning("a real torchao warning")
+        logging.getLogger("torch.utils._pytree").warning(enum)
+    passed = [r.getMessage() for r in caplog.records]
+    # (on a CUDA build of torch the kernel line is kept: a CUDA kernel that fails to load there is news)
+    assert passed == ([] if torch.version.cuda is None else [kernel]) + [other, "a real torchao warning", enum]
 
 
 def test_without_ddp_prepares_models_unwrapped_and_refuses_set_ups_that_reduce_gradients_themselves():

@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import os
 
-from transformers import Trainer
-from transformers.trainer import OPTIMIZER_NAME
+from distro_opt.integrations.quiet_import import quiet_torchao
+
+with quiet_torchao():  # transformers imports torchao when it is installed
+    from transformers import Trainer
+    from transformers.trainer import OPTIMIZER_NAME
 
 from distro_opt.adamw import DisTrOAdamW
 from distro_opt.optimizer import DecoupledMomentumOptimizer
