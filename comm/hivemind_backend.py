@@ -116,6 +116,7 @@ class HivemindBackend(Backend):
         self._catchup = CatchUp(self.settings, self._book, self._admission, self._link, self.state_lock)
         self.state_stats = self._catchup.stats
         self._closed = threading.Event()
+        self._left = threading.Event()
         self.membership: Membership | None = None
         self._runner: RoundRunner | None = None  # made once this peer knows its id and view
         try:
@@ -237,7 +238,7 @@ class HivemindBackend(Backend):
     def start_all_gather(self, buf: torch.Tensor) -> PendingGather:
         check_buffer(buf)
         if self._closed.is_set():
-            raise HivemindBackendError("the backend is closed")
+            raise HivemindBackendError("this peer left the run" if self._left.is_set() else "the backend is closed")
         payload = buf.detach().to("cpu").contiguous().numpy().tobytes()
         step = self._book.take_next()
         self.membership.state, self.membership.step = ACTIVE, step
@@ -282,13 +283,32 @@ class HivemindBackend(Backend):
         if peer != self.peer_id:
             self._admission.exclude(peer, "its payload was reported invalid")
 
+    def leave(self) -> None:
+        """Leave the run cleanly, now: announce it through the DHT (the others stop waiting for this
+        peer at their next view) and answer REJECTED to every round this peer will not start, so
+        that a round the others started before they saw the announcement does not wait for it
+        either. State downloads already under way are still served until ``close()``; no new
+        gather can start. Idempotent; ``close()`` leaves first."""
+        if self._left.is_set():
+            return
+        self._left.set()
+        self._closed.set()  # start_all_gather refuses from now on
+        if self._link.loop.is_running():
+            try:
+                self._link.call(self._leave_rounds(), 5)
+            except Exception:  # noqa: BLE001 - a loop that cannot answer is closed by close()
+                pass
+        if self.membership is not None:
+            self.membership.leave()
+
+    async def _leave_rounds(self) -> None:
+        self._book.leave()  # on the event loop, which owns the rounds
+
     def close(self) -> None:
         """Leave the run and release what this backend started (also what a failed start did); a
         gather, ``wait_for_peers`` or state download waiting on another thread ends at once with
         ``HivemindBackendError`` (``wait_for_peers`` returns its count)."""
-        self._closed.set()
-        if self.membership is not None:
-            self.membership.leave()
+        self.leave()
         self._link.close(cancel_first=self._book.cancel_tasks)
         self._catchup.close()
         if self._own_dht and self.dht is not None:
@@ -312,7 +332,12 @@ class HivemindBackend(Backend):
     def load_state_from_peers(self, prefer=None, timeout_s: float | None = None):
         """Download a live peer's state (made by its ``state_provider``) and take its step number."""
         candidates = self.membership.state_servers(prefer, self._admission.admits)
-        return self._catchup.download_state(candidates, timeout_s)
+        state = self._catchup.download_state(candidates, timeout_s)
+        # announce at once the round this peer trains in next: the others wait only for peers they
+        # know of, and the periodic heartbeat could come a whole heartbeat_s after that round began
+        self.membership.state, self.membership.step = ACTIVE, self.step
+        self.membership.beat()
+        return state
 
 
 async def _node_identity(_dht, node):

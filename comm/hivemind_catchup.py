@@ -100,6 +100,8 @@ class CatchUp:
             await asyncio.wait_for(reader.read(1), self.settings.state_timeout_s)
         except Exception as exc:  # noqa: BLE001
             logger.debug("state request from %s failed: %s: %s", peer, type(exc).__name__, exc)
+        except asyncio.CancelledError:  # the backend closes: end quietly (asyncio would log a traceback)
+            logger.debug("state request from %s cancelled: the backend closes", peer)
         finally:
             if slot:
                 self._slots.give(peer)

@@ -26,6 +26,7 @@ class Round:
         self.vote_done: set[str] = set()
         self.no_payload: set[str] = set()  # peers whose payload will not come this round
         self.streams: set[str] = set()
+        self.clients: set[str] = set()  # peers whose stream said they are in client mode (FLAG_REPLY)
         self.pushed: set[str] = set()
         self.push_over: set[str] = set()  # our pushes that delivered our payload or failed
         self.late: set[str] = set()
@@ -58,6 +59,7 @@ class RoundBook:
         self.low = 0  # every step below it is finished
         self.next = 0  # the step this peer starts next
         self.out_of_sync = False  # set when a round could not be completed like the others did it
+        self.left = False  # set when this peer left the run: it starts no round and joins none
 
     def take_next(self) -> int:
         step, self.next = self.next, self.next + 1
@@ -81,6 +83,14 @@ class RoundBook:
         self.rounds.pop(r.step, None)
         r.phase1.set()
         r.finished.set()
+
+    def leave(self) -> None:
+        """This peer takes part in no more rounds: the streams waiting for our payload of a round we
+        will not start are answered REJECTED (``GatherStreams.on_gather``), so nobody waits on us."""
+        self.left = True
+        for r in self.rounds.values():
+            if r.own is None:
+                r.own_ready.set()
 
     def cancel_tasks(self) -> None:
         for r in list(self.rounds.values()):

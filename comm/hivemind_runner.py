@@ -41,7 +41,7 @@ class RoundRunner:
         self.book, self.admission, self.membership = book, admission, membership
         self.streams, self.stats, self.loop = streams, stats, loop
         # the others whose payloads the last finished round applied, with their records: the next
-        # round waits for them even if their heartbeat lapsed from the view meanwhile (see _expected)
+        # round waits for them even if they are not (or no longer) in the view (see _expected)
         self.recent: dict[str, PeerRecord] = {}
 
     async def run(self, step: int, payload: bytes) -> list[tuple[str, bytes]]:
@@ -99,7 +99,13 @@ class RoundRunner:
                 "step %d: refused the votes of %s, each lacking most of the step", step, _short(out)
             )
         agreed = wire.agree(held, votes, out)
-        self.recent = {p: view[p] for p in agreed if p in view}
+        # a peer can be in the result without being in our view: a joiner whose heartbeat has not
+        # reached us yet pushed to us (r.streams), or a peer whose records we lost sight of (a DHT node
+        # that held them left). Its stream told us whether it is a client-mode peer.
+        self.recent = {
+            p: view.get(p) or PeerRecord(ACTIVE, client=p in r.clients, step=step)
+            for p in agreed if p != self.peer_id
+        }
         result = [(p, payload if p == self.peer_id else r.payloads[p]) for p in agreed]
         logger.debug("step %d held %s, votes of %s -> %s", step, _short(held), _short(votes), _short(agreed))
         return self._finish(r, result)
@@ -108,15 +114,18 @@ class RoundRunner:
         """The peers this round pushes to and waits for: the active peers of the view that we admit,
         and those whose payloads the last round applied, unless they announced a clean leave.
 
-        A heartbeat that misses its TTL once (a loaded machine, a slow DHT answer) drops a live peer
-        from the view for a moment; a round that started then would not wait for it and apply a
-        different set of payloads than that peer does. With two honest peers no checksum majority
-        would ever bring them back together, so a peer seen in the last step is waited for until the
-        gather deadline: one slow round if it really crashed, a split never."""
+        A peer can be missing from the view while it trains with us: a heartbeat that missed its TTL
+        once (a loaded machine, a slow DHT answer), a joiner whose first heartbeats have not reached us
+        though it took part in the last round, a peer whose records were stored on a DHT node that has
+        since left. A round that started then would not wait for it and apply a different set of
+        payloads than that peer does; it would find the step finished without it and fall out of sync
+        (with two honest peers no checksum majority would ever bring them back together). So a peer
+        of the last step is waited for until the gather deadline: one slow round if it really
+        crashed, a split never; one that announced its leave is not waited for at all."""
         seen = self.membership.view()
         view = {p: rec for p, rec in seen.items() if rec.state == ACTIVE}
         for p, rec in self.recent.items():
-            if p not in seen and not self.membership.has_left(p):
+            if p not in view and not self.membership.has_left(p):
                 view[p] = rec
         return {p: rec for p, rec in view.items() if self.admission.admits(p)}
 

@@ -137,7 +137,7 @@ class GatherStreams:
             magic, version, flags, step, nbytes = wire.HELLO.unpack(hello)
             if magic != wire.GATHER_MAGIC or version != wire.VERSION:
                 return
-            if not self.admission.admits(peer) or step > self.book.next + LOOKAHEAD_STEPS:
+            if self.book.left or not self.admission.admits(peer) or step > self.book.next + LOOKAHEAD_STEPS:
                 self._answer(writer, wire.REJECTED)
                 return
             if self.book.is_late(step):
@@ -150,8 +150,13 @@ class GatherStreams:
             r.streams.add(peer)
             registered = r
             r.tasks.add(task)
+            if flags & wire.FLAG_REPLY:
+                r.clients.add(peer)
             # the expected size is this peer's own payload size: wait (bounded) until we have ours
             await asyncio.wait_for(r.own_ready.wait(), self.settings.step_timeout_s)
+            if r.own is None:  # this peer left the run instead of starting the round
+                self._answer(writer, wire.REJECTED)
+                return
             if nbytes != len(r.own):
                 self.admission.exclude(
                     peer, f"announced a payload of {nbytes} bytes where {len(r.own)} were expected"
@@ -168,6 +173,8 @@ class GatherStreams:
             await self._exchange(r, peer, reader, writer, send=reply, receive=True)
         except Exception as exc:  # noqa: BLE001 - a broken stream from a stranger only drops that stream
             logger.debug("gather stream from %s failed: %s: %s", peer, type(exc).__name__, exc)
+        except asyncio.CancelledError:  # the backend closes: end quietly (asyncio would log a traceback)
+            logger.debug("gather stream from %s cancelled: the backend closes", peer)
         finally:
             if registered is not None:
                 if peer not in registered.payloads:

@@ -85,6 +85,11 @@ class Peer:
         except subprocess.TimeoutExpired:
             pass
 
+    def interrupt(self) -> None:
+        """SIGINT to the whole process group, as Ctrl-C in a terminal sends it (the DHT process and the
+        p2p daemon get it too)."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+
     def steps(self) -> list[dict]:
         out = []
         for line in list(self.lines):

@@ -239,6 +239,35 @@ def test_a_peer_that_left_cleanly_is_not_waited_for(dhts):
         assert duration < 0.25 * step_timeout_s
 
 
+def test_a_peer_of_the_last_round_is_waited_for_though_the_view_never_showed_it(dhts):
+    # b trains with a before a's view ever shows b: a joiner whose first heartbeats have not reached
+    # a, or a peer whose records were on a DHT node that left. Its first round, started before a's,
+    # counts through its push; the next one, started after a's, must be waited for as well, or a
+    # applies its payload alone and b finds the step finished without it (out of sync)
+    with group(dhts, n=2, step_timeout_s=local.ROOMY_STEP_TIMEOUT_S) as (a, b):
+        a.membership.view = lambda: {}
+        for offsets in ((0.5, 0.0), (0.0, 0.5)):  # (a, b): b starts first, then a does
+            results, _ = local.gather_at([(a, filled(1), offsets[0]), (b, filled(2), offsets[1])])
+            assert [sorted(firsts(r)) for r in results] == [[1, 2], [1, 2]], offsets
+        assert not b.out_of_sync and a.step == b.step == 2
+
+
+def test_a_round_started_before_a_leave_was_seen_does_not_wait_for_the_peer_that_left(dhts):
+    # b took part in step 0 and leaves; a has not looked at the DHT since, so its next round still
+    # expects b: b answers that round's stream at once instead of letting a wait out its deadline
+    step_timeout_s = 20.0
+    with group(dhts, n=2, step_timeout_s=step_timeout_s) as (a, b):
+        gather([(a, filled(1)), (b, filled(2))])
+        a.membership.refresh = lambda: None
+        b.leave()
+        assert not a.membership.has_left(b.peer_id) and b.peer_id in a.membership.view()
+        (result,), (duration,) = gather([(a, filled(1))], timeout_s=step_timeout_s + 5)
+        assert firsts(result) == [1]
+        assert duration < 0.25 * step_timeout_s
+        with pytest.raises(HivemindBackendError, match="this peer left the run"):
+            b.all_gather(filled(2))
+
+
 def test_overlapped_gathers_finish_as_separate_steps(dhts):
     roomy = local.ROOMY_STEP_TIMEOUT_S  # four streams open at once per peer: no deadline is under test
     with group(dhts, n=2, step_timeout_s=roomy) as (a, b):

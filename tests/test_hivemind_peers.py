@@ -8,6 +8,7 @@ Each scenario runs once (module fixture); the tests below check one behaviour ea
 
 import importlib.util
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -51,6 +52,7 @@ def common_args(ttl_s: float) -> list[str]:
 
 COMMON = common_args(ttl_s=2)
 CHURN_STEPS, KILL_AT, JOIN_AFTER, PERTURB_AT = 40, 10, 15, 21
+DEPART_STEPS, DEPART_JOIN, LEAVE_AT, INTERRUPT_AT = 32, 5, 15, 23
 ROGUE_STEPS = 25
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -86,6 +88,28 @@ def churn(tmp_path_factory):
         codes = {p.name: p.wait_exit(150) for p in (a, c, d)}
         assert codes == {"a": 0, "c": 0, "d": 0}, "\n".join(p.output() for p in (a, c, d))
         yield {"peers": {p.name: p for p in (a, c, d)}, "summary": summaries(workdir, "acd")}
+
+
+@pytest.fixture(scope="module")
+def departures(tmp_path_factory):
+    """a, b and c start; d joins after step DEPART_JOIN; a ends at step LEAVE_AT (a clean departure);
+    b gets Ctrl-C after its step INTERRUPT_AT; c and d train on to DEPART_STEPS."""
+    workdir = tmp_path_factory.mktemp("departures")
+    common = COMMON + ["--step-delay-s", "0.3", "--min-peers", "3"]
+    steps = ["--steps", str(DEPART_STEPS)]
+    with Cluster(workdir, "departures", common) as cluster:
+        a = cluster.start("a", "--shard", "0", "--steps", str(LEAVE_AT), "--maddrs-file", "a.addr", "--out", "a.json")
+        maddrs = cluster.read_maddrs("a.addr", 90)
+        b = cluster.start("b", "--shard", "1", *steps, "--out", "b.json", initial_peers=maddrs)
+        c = cluster.start("c", "--shard", "2", *steps, "--out", "c.json", initial_peers=maddrs)
+        d = cluster.start("d", "--shard", "3", *steps, "--join", "--join-after-step", str(DEPART_JOIN),
+                          "--out", "d.json", initial_peers=maddrs)
+        b.wait_for(rf"^step {INTERRUPT_AT} ", 120)
+        b.interrupt()
+        codes = {p.name: p.wait_exit(150) for p in (a, b, c, d)}
+        peers = {p.name: p for p in (a, b, c, d)}
+        assert codes == {"a": 0, "b": 130, "c": 0, "d": 0}, "\n".join(p.output() for p in peers.values())
+        yield {"peers": peers, "summary": summaries(workdir, "abcd")}
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +196,43 @@ def test_rogue_garbage_was_refused_and_its_sender_excluded(rogue):
     assert f"excluding peer {rogue_id}" in out
     kinds = ("announced a payload of", "failed the payload validator")
     assert all(k in out for k in kinds), out
+
+
+def out_of_sync_steps(peer) -> list[int]:
+    return [int(m[1]) for m in re.finditer(r"step (\d+) finished without this peer", peer.output(last=None))]
+
+
+def test_departures_knock_no_remaining_peer_out_of_sync(departures):
+    s, peers = departures["summary"], departures["peers"]
+    outputs = "\n".join(f"--- {n}\n" + p.output(last=None) for n, p in peers.items())
+    assert out_of_sync_steps(peers["c"]) == [] and s["c"]["resyncs"] == 0, outputs
+    # the joiner's first round can miss a peer that had not heard of it yet, and then it reloads
+    # state once (docs/volunteers.md, known gaps); no departure puts anyone out of sync
+    assert all(step < LEAVE_AT for step in out_of_sync_steps(peers["d"])), outputs
+    assert s["c"]["checksum"] == s["d"]["checksum"] and s["c"]["final_step"] == s["d"]["final_step"] == DEPART_STEPS
+
+
+def test_a_late_joiner_trains_with_everyone_through_both_departures(departures):
+    s, peers = departures["summary"], departures["peers"]
+    c, d = ({x["step"]: x["peers"] for x in s[n]["steps"]} for n in "cd")
+    assert s["d"]["first_step"] >= DEPART_JOIN
+    missed = max(out_of_sync_steps(peers["d"]), default=-1)
+    in_sync = min(step for step in d if step > missed)  # after its reload, if its first rounds missed
+    assert in_sync < LEAVE_AT and [step for step in sorted(d) if step >= in_sync] == list(range(in_sync, DEPART_STEPS))
+    assert all(d[step] == c[step] for step in d if step >= in_sync)  # the same payloads at every step
+    assert all(d[step] == 4 for step in d if in_sync <= step < LEAVE_AT)  # a, b, c and d itself
+    # a's clean leave: not waited for, and never counted again
+    assert all(d[step] == 3 for step in d if LEAVE_AT <= step <= INTERRUPT_AT)
+    assert all(d[step] == 2 for step in d if step > INTERRUPT_AT + 1)  # b's Ctrl-C: gone within a step
+
+
+def test_ctrl_c_is_one_line_exit_130_and_a_summary_marked_interrupted(departures):
+    b, summary = departures["peers"]["b"], departures["summary"]["b"]
+    after = [line for line in b.lines[b.lines.index(next(x for x in b.lines if x.startswith("step "))):]
+             if not line.startswith("step ")]
+    assert after == [f"interrupted at step {summary['final_step']}; summary in b.json"], b.output(last=None)
+    done = [x["step"] for x in summary["steps"]]
+    assert summary["interrupted"] is True and done == list(range(len(done))) and len(done) > INTERRUPT_AT
+    # final_step is the round it would have started next: the one Ctrl-C cut short, or the one after
+    assert summary["final_step"] in (len(done), len(done) + 1)
+    assert departures["summary"]["a"]["interrupted"] is False

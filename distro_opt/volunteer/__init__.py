@@ -17,7 +17,8 @@ corpus instead, shard ``--shard`` of ``--num-shards``.
 
 Exit status: 0 when done; 2 for bad input (one ``error:`` line; everything is checked before the
 DHT starts, and no file is written); 1 when the run fails (an initial peer unreachable, no peer to
-serve state to a ``--join``, ...: one ``error:`` line, ``--verbose`` adds the traceback); 130 on Ctrl-C.
+serve state to a ``--join``, ...: one ``error:`` line, ``--verbose`` adds the traceback); 130 on Ctrl-C (one line; the peer leaves the run at once and
+still writes ``--out``, marked ``"interrupted": true``).
 
 Modules: ``args`` (options and their checks), ``tasks`` (what is trained), ``training`` (the loop
 and the replica guard), ``outputs`` (the files it writes), ``program`` (``main`` and ``run``).

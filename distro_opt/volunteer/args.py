@@ -44,7 +44,8 @@ def build_parser() -> Parser:
         description=DESCRIPTION,
         formatter_class=DefaultsHelpFormatter,
         epilog="Exit status: 0 done, 2 bad input (refused before the DHT starts; nothing written), "
-        "1 the run failed (e.g. an initial peer unreachable, no peer served state to --join), 130 Ctrl-C.",
+        "1 the run failed (e.g. an initial peer unreachable, no peer served state to --join), 130 Ctrl-C "
+        "(one line; the peer leaves the run at once and still writes --out, marked interrupted).",
     )
     p.add_argument("--run-id", required=True, help="1-64 characters of A-Z a-z 0-9 _ . -")
     p.add_argument(

@@ -13,9 +13,9 @@ from distro_opt.cli_args import UsageError, fail, os_error_message
 
 from .args import backend_settings, check_args, parse_args, untrusted_fraction
 from .tasks import task_errors
-from .training import train
+from .training import EXIT_INTERRUPTED, train
 
-EXIT_FAILED, EXIT_INTERRUPTED = 1, 130
+EXIT_FAILED = 1
 
 _GO_LOG_TIME = re.compile(r"\b\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? ")  # p2pd's log prefix, in its errors
 

@@ -16,6 +16,7 @@ from .outputs import write_new
 from .tasks import make_task
 
 COMPRESSION = {"topk": 8, "chunk": 64, "bits": 8}
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 def make_optimizer(lr: float, params, comm):
@@ -71,7 +72,12 @@ def payload_validator(opt):
 def train(args, task, backend, after_step=None) -> int:
     """Build the model and optimizer on ``backend``, train, write the outputs; close the backend.
     ``after_step(step, model)``, if given, runs at the end of each step, after the replica checks:
-    where a test slows a peer down or makes its replica diverge."""
+    where a test slows a peer down or makes its replica diverge.
+
+    After its last step the peer leaves the run at once (``backend.leave``: nobody waits for its next
+    round), then writes ``--out`` and lingers ``--linger-s`` for state downloads under way. Ctrl-C
+    (KeyboardInterrupt) while it joins or trains ends the same way, with one line on stderr, the
+    summary marked ``"interrupted": true``, no lingering and exit status 130."""
     try:
         task, model, opt = build(args, backend, task)
         backend.state_provider = lambda: {"model": model.state_dict(), "optimizer": opt.state_dict()}
@@ -79,56 +85,71 @@ def train(args, task, backend, after_step=None) -> int:
         print(f"peer {backend.peer_id} maddrs {' '.join(backend.visible_maddrs)}", flush=True)
         if args.maddrs_file:
             write_new(args.maddrs_file, "\n".join(backend.visible_maddrs))  # readers never see half of it
-        t0 = time.monotonic()
-        summary = {"peer": backend.peer_id, "steps": [], "resyncs": 0}
-        published: dict[int, str] = {}  # our replica checksums by step, until compared with the others'
-        if args.join:
-            wait_for_run_step(backend, args.join_after_step, args.wait_peers_s)
-            load_into(model, opt, backend.load_state_from_peers())
-            print(f"joined at step {backend.step}", flush=True)
-        else:
-            wait_for_min_peers(backend, args.min_peers, args.wait_peers_s)
-        summary["first_step"] = backend.step
-        while backend.step < args.steps:
-            step = backend.step
-            with backend.state_lock:  # a joiner's snapshot is taken between steps, never inside one
-                x, y = task.batch(args.shard, step)
-                loss = task.loss(model, x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            gather_s = opt.last_step_timing["comm_s"]
-            st = backend.stats
-            print(
-                f"step {step} | loss {loss.item():.5f} | peers {backend.world_size} "
-                f"| sent_bytes {st.bytes_sent} | recv_bytes {st.bytes_received} "
-                f"| gather_s {gather_s:.3f} | t_s {time.monotonic() - t0:.1f}",
-                flush=True,
-            )
-            summary["steps"].append(
-                {"step": step, "loss": loss.item(), "peers": backend.world_size, "gather_s": gather_s}
-            )
-            if backend.out_of_sync:
-                resync(backend, model, opt, summary)
-                published.clear()  # checksums of the replica we just replaced compare nothing
-            elif args.checksum_every:
-                check_replica(backend, model, opt, step, args.checksum_every, published, summary)
-            if after_step is not None:
-                after_step(step, model)
+        summary = {"peer": backend.peer_id, "steps": [], "resyncs": 0, "first_step": None}
+        try:
+            _join_and_train(args, task, backend, model, opt, summary, after_step)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        backend.leave()
         summary.update(
+            interrupted=interrupted,
             final_step=backend.step,
             checksum=checksum(model),
             finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()),
             bytes_sent=backend.stats.bytes_sent,
             bytes_received=backend.stats.bytes_received,
         )
-        print(f"done step {backend.step} checksum {summary['checksum']}", flush=True)
+        if interrupted:
+            print(f"interrupted at step {backend.step}" + (f"; summary in {args.out}" if args.out else ""),
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"done step {backend.step} checksum {summary['checksum']}", flush=True)
         if args.out:
             write_new(args.out, json.dumps(summary))
-        time.sleep(args.linger_s)
+        if not interrupted:
+            time.sleep(args.linger_s)
     finally:
         backend.close()
-    return 0
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _join_and_train(args, task, backend, model, opt, summary: dict, after_step) -> None:
+    t0 = time.monotonic()
+    published: dict[int, str] = {}  # our replica checksums by step, until compared with the others'
+    if args.join:
+        wait_for_run_step(backend, args.join_after_step, args.wait_peers_s)
+        load_into(model, opt, backend.load_state_from_peers())
+        print(f"joined at step {backend.step}", flush=True)
+    else:
+        wait_for_min_peers(backend, args.min_peers, args.wait_peers_s)
+    summary["first_step"] = backend.step
+    while backend.step < args.steps:
+        step = backend.step
+        with backend.state_lock:  # a joiner's snapshot is taken between steps, never inside one
+            x, y = task.batch(args.shard, step)
+            loss = task.loss(model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        gather_s = opt.last_step_timing["comm_s"]
+        st = backend.stats
+        print(
+            f"step {step} | loss {loss.item():.5f} | peers {backend.world_size} "
+            f"| sent_bytes {st.bytes_sent} | recv_bytes {st.bytes_received} "
+            f"| gather_s {gather_s:.3f} | t_s {time.monotonic() - t0:.1f}",
+            flush=True,
+        )
+        summary["steps"].append(
+            {"step": step, "loss": loss.item(), "peers": backend.world_size, "gather_s": gather_s}
+        )
+        if backend.out_of_sync:
+            resync(backend, model, opt, summary)
+            published.clear()  # checksums of the replica we just replaced compare nothing
+        elif args.checksum_every:
+            check_replica(backend, model, opt, step, args.checksum_every, published, summary)
+        if after_step is not None:
+            after_step(step, model)
 
 
 def wait_for_min_peers(backend, min_peers: int, timeout_s: float) -> None:

@@ -21,3 +21,4 @@ for xb, yb in loader:
     opt.step()
 print(f"rank {accelerator.process_index}: loss {loss.item():.4f}, "
       f"{opt.optimizer.comm.stats.bytes_sent} bytes sent")  # opt.optimizer: accelerate's wrapper's
+accelerator.end_training()  # destroys the process group before the interpreter exits

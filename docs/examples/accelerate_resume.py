@@ -50,3 +50,4 @@ print(f"rank {accelerator.process_index}: resumed run {'equals' if same else 'DI
 accelerator.wait_for_everyone()
 if accelerator.is_main_process:
     shutil.rmtree(root)
+accelerator.end_training()  # destroys the process group before the interpreter exits

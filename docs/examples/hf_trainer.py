@@ -18,3 +18,4 @@ trainer = DisTrOTrainer(model=model, args=args, train_dataset=data, distro_kwarg
 trainer.train()
 opt = trainer.optimizer.optimizer  # accelerate wraps the optimizer; this is the DisTrOAdamW
 print(f"rank {opt.comm.rank}: {opt.comm.stats.bytes_sent} bytes sent by distro-opt, {opt.payload_nbytes} per step")
+trainer.accelerator.end_training()  # destroys the process group before the interpreter exits

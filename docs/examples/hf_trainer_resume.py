@@ -44,3 +44,4 @@ print(f"rank {state.process_index}: resumed run {'equals' if same else 'DIFFERS 
 state.wait_for_everyone()
 if state.is_main_process:
     shutil.rmtree(root)
+state.destroy_process_group()  # before the interpreter exits
