@@ -17,8 +17,10 @@ One ``all_gather`` is one *round* (numbered by step) in two phases, both under o
 A round holds only what this peer checked itself: a payload counts when it came on its sender's own
 stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; no
 vote makes this peer apply bytes it did not receive. Nothing is relayed: a peer that finds the step
-finished without it (an admitted peer answered LATE and never sent its payload) abstains, applies
-nothing and sets ``out_of_sync``, so that the program reloads state. When every vote reaches every
+finished without it (more than half of the round's other peers answered LATE and never sent their
+payloads; fewer count as missing payloads) abstains, applies nothing and sets ``out_of_sync``, so
+that the program reloads state, which it takes only when a majority of the servers asked vouch for
+it (``CatchUp.download_state``). When every vote reaches every
 voter, all peers compute the same set; what can still slip through (a peer that vanishes between its
 votes; two client-mode peers that never reach each other; a voter that tells peers different things;
 a peer whose vote was refused because it received too little in time) is caught
@@ -207,6 +209,17 @@ class HivemindBackend(Backend):
         self._catchup.state_provider = provider
 
     @property
+    def state_digest(self):
+        """``(tree) -> str``: the digest of a state that the peers' replicas hold alike, which a
+        download must match (``CatchUp.download_state``); by default every byte of the state. The
+        volunteer program digests the model only: each worker's optimizer state is its own."""
+        return self._catchup.state_digest
+
+    @state_digest.setter
+    def state_digest(self, digest) -> None:
+        self._catchup.state_digest = digest
+
+    @property
     def out_of_sync(self) -> bool:
         """Set when a round could not be completed like the others did it (cleared by a state load)."""
         return self._book.out_of_sync
@@ -330,7 +343,8 @@ class HivemindBackend(Backend):
         return self.membership.compare_checksum(step, checksum, self._admission.admits)
 
     def load_state_from_peers(self, prefer=None, timeout_s: float | None = None):
-        """Download a live peer's state (made by its ``state_provider``) and take its step number."""
+        """Download the state that more than half of the live peers asked vouch for (their step and
+        ``state_digest``), from one of them, and take its step number."""
         candidates = self.membership.state_servers(prefer, self._admission.admits)
         state = self._catchup.download_state(candidates, timeout_s)
         # announce at once the round this peer trains in next: the others wait only for peers they

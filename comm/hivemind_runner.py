@@ -76,14 +76,22 @@ class RoundRunner:
 
         await r.wait_until(gathered, r.gather_deadline)
         behind = sorted(p for p in r.late if p not in r.payloads and self.admission.admits(p))
-        if behind:
-            # a peer finished this step without us and we never got its payload: we cannot apply what
-            # it applied. Abstain (our vote would make the peers holding our payload drop the ones
-            # we miss, which those who finished never dropped) and reload state afterwards.
+        counted = {p for p in expected | r.streams | r.pushed if p != self.peer_id and self.admission.admits(p)}
+        if behind and 2 * len(behind) > len(counted):
+            # most peers of this round finished it without us and we never got their payloads: we
+            # cannot apply what they applied. Abstain (our vote would make the peers holding our
+            # payload drop the ones we miss, which those who finished never dropped) and reload
+            # state afterwards.
             logger.warning("step %d finished without this peer at %s: out of sync", step, _short(behind))
             self.book.out_of_sync = True
             r.phase1.set()
             return self._finish(r, [])
+        if behind:
+            # A LATE answer proves nothing (a rogue can send one at every step to make the others
+            # reload every step): from a minority it counts as a missing payload. Had it been true,
+            # that peer applied another set than ours, which the replica checksum finds.
+            logger.warning("step %d: %s answered LATE, fewer than half of the %d peers of the round; "
+                           "going on without their payloads", step, _short(behind), len(counted))
 
         # 2. agree: vote the digests we hold to every peer whose payload we hold, wait for their votes
         held = {p: wire.digest(p, b) for p, b in [(self.peer_id, payload), *r.payloads.items()]}

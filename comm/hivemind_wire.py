@@ -11,10 +11,14 @@ With ``flags & REPLY`` (a client-mode opener, which cannot accept streams) the a
 own PAYLOAD and VOTE back on the same stream. A sender that is behind the step (a peer answered it
 LATE) closes the stream without a VOTE: it abstains.
 
-State stream (a joining peer asks a live one):
+State stream (a joining peer asks a live one), one of three requests:
 
-    opener   -> STATE_MAGIC
-    acceptor -> STATUS (OK, or MISSING: no state served to this peer now), then STATE(u64 length | blob)
+    opener   -> STATE_MAGIC                      the state as it is now
+    opener   -> STATE_AT_MAGIC | u64 step         the state after ``step`` steps, if it still is
+    acceptor -> STATUS (OK, or MISSING: no such state served to this peer now), then STATE(u64 length | blob)
+
+    opener   -> DIGEST_MAGIC                     what the state is now, in a few bytes
+    acceptor -> STATUS, then u64 step | DIGEST(u32 length | the state's digest, at most 64 bytes)
 
 Every read is bounded in size before it is made: a length field above what this peer expects
 closes the stream without reading the body.
@@ -32,7 +36,8 @@ VERSION = 1
 FLAG_REPLY = 1
 OK, LATE, REJECTED, BAD_SIZE, MISSING = 0, 1, 2, 3, 4
 U32, U64 = struct.Struct(">I"), struct.Struct(">Q")
-STATE_MAGIC = b"DHS1"
+STATE_MAGIC, STATE_AT_MAGIC, DIGEST_MAGIC = b"DHS1", b"DHS2", b"DHD1"
+MAX_STATE_DIGEST_NBYTES = 64
 DIGEST_NBYTES = 8
 
 

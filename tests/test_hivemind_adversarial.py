@@ -19,7 +19,7 @@ hivemind = pytest.importorskip("hivemind")
 from hivemind.p2p import PeerID  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
 
-from distro_opt.comm import hivemind_state, hivemind_wire as wire  # noqa: E402
+from distro_opt.comm import hivemind_catchup, hivemind_state, hivemind_wire as wire  # noqa: E402
 from distro_opt.comm.hivemind_backend import HivemindBackendError  # noqa: E402
 from distro_opt.comm.hivemind_round import Round  # noqa: E402
 from distro_opt.comm.hivemind_state import StateFormatError, dump_state, load_state  # noqa: E402
@@ -130,7 +130,7 @@ def test_a_stranger_to_a_private_run_downloads_no_state(dhts):
         a.allow_peers = b.allow_peers = {a.peer_id, b.peer_id}
         a.state_provider = lambda: {"w": torch.ones(3)}
         local.wait_all_visible([a, b, stranger])
-        with pytest.raises(HivemindBackendError, match="served its state"):
+        with pytest.raises(HivemindBackendError, match="served a state"):
             stranger.load_state_from_peers(prefer=[a.peer_id])
         assert torch.equal(b.load_state_from_peers(prefer=[a.peer_id])["w"], torch.ones(3))
 
@@ -238,11 +238,59 @@ def test_a_state_blob_whose_tensors_overlap_is_refused_before_anything_is_alloca
 def test_a_state_without_a_state_entry_is_refused_and_leaves_the_step_alone(dhts):
     with group(dhts, n=2) as (a, rogue):
         rogue.state_provider = dict
-        rogue._catchup._snapshot = lambda: dump_state({"step": 50})
+        rogue._catchup._snapshot = lambda step=None: dump_state({"step": 50})
         gather([(a, filled(1)), (rogue, filled(2))])
-        with pytest.raises(HivemindBackendError, match="served its state"):
+        with pytest.raises(HivemindBackendError, match="served a state"):
             a.load_state_from_peers(prefer=[rogue.peer_id])
         assert a.step == 1
+
+
+def test_a_rogues_late_answer_puts_no_honest_peer_out_of_sync(dhts):
+    # the rogue answers LATE to every push and sends nothing: a lone LATE proves nothing, so the
+    # honest peers go on without its payload instead of abstaining and reloading state (from it)
+    with group(dhts, n=4) as (a, b, c, rogue):
+        rogue._book.is_late = lambda step: True
+        results, _ = gather([(a, filled(1)), (b, filled(2)), (c, filled(3))])
+        assert [sorted(firsts(r)) for r in results] == [[1, 2, 3]] * 3
+        assert not (a.out_of_sync or b.out_of_sync or c.out_of_sync)
+
+
+def _poisoned_run(dhts, rogue_claims_honest_digest: bool):
+    """Two honest servers and a rogue after one step; the rogue serves a poisoned state (and, if
+    asked, describes it with the honest state's digest). Yields (a, b, joiner, rogue)."""
+    honest = {"w": torch.ones(3)}
+    with group(dhts, n=4) as (a, b, joiner, rogue):
+        a.state_provider = b.state_provider = lambda: honest
+        rogue.state_provider = lambda: {"w": torch.full((3,), 123.0)}
+        if rogue_claims_honest_digest:
+            rogue.state_digest = lambda state: hivemind_catchup.whole_state_digest(honest)
+        rogue.membership.in_sync = lambda: True  # what it says of itself ranks it first
+        gather([(a, filled(1)), (b, filled(2)), (joiner, filled(3)), (rogue, filled(4))])
+        yield a, b, joiner, rogue
+
+
+@pytest.mark.parametrize("lies", [False, True], ids=["own-digest", "honest-digest"])
+def test_a_download_takes_the_state_the_majority_vouches_for_never_the_rogues(dhts, lies):
+    runs = _poisoned_run(dhts, rogue_claims_honest_digest=lies)
+    a, b, joiner, rogue = next(runs)
+    try:
+        state = joiner.load_state_from_peers(prefer=[rogue.peer_id, a.peer_id, b.peer_id])
+        assert torch.equal(state["w"], torch.ones(3)) and joiner.step == 1
+    finally:
+        runs.close()
+
+
+def test_with_no_majority_a_download_loads_nothing(dhts):
+    # one honest server against one rogue: no state has more than half of the answers
+    runs = _poisoned_run(dhts, rogue_claims_honest_digest=False)
+    a, b, joiner, rogue = next(runs)
+    try:
+        joiner.out_of_sync = True
+        with pytest.raises(HivemindBackendError, match="no state had a majority"):
+            joiner.load_state_from_peers(prefer=[rogue.peer_id, a.peer_id])
+        assert joiner.step == 1 and joiner.out_of_sync
+    finally:
+        runs.close()
 
 
 def blocking_provider(release: threading.Event, calls: list):
@@ -301,9 +349,11 @@ def test_state_downloads_are_counted_apart_from_the_gather_streams(dhts):
         gathered = (b.stats.bytes_sent, b.stats.bytes_received)
         b.load_state_from_peers(prefer=[a.peer_id])
         blob = dump_state({"step": 1, "state": {"w": torch.ones(5)}})
-        status_and_frame = 1 + wire.U64.size + len(blob)
-        assert (b.state_stats.bytes_sent, b.state_stats.bytes_received) == (4, status_and_frame)
-        assert (a.state_stats.bytes_sent, a.state_stats.bytes_received) == (status_and_frame, 4)
+        # first the digest request and its answer (status, step, a sha256 in hex), then the state of step 1
+        asks = len(wire.DIGEST_MAGIC) + len(wire.STATE_AT_MAGIC) + wire.U64.size
+        answers = (1 + wire.U64.size + wire.U32.size + 64) + (1 + wire.U64.size + len(blob))
+        assert (b.state_stats.bytes_sent, b.state_stats.bytes_received) == (asks, answers)
+        assert (a.state_stats.bytes_sent, a.state_stats.bytes_received) == (answers, asks)
         assert (b.stats.bytes_sent, b.stats.bytes_received) == gathered
 
 

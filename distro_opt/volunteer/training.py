@@ -41,8 +41,14 @@ def build(args, comm, task=None):
 
 
 def checksum(model: nn.Module) -> str:
+    return state_checksum(model.state_dict())
+
+
+def state_checksum(model_state: dict) -> str:
+    """The replica checksum of a model state dict (``checksum`` of the model that holds it); the
+    digest a state download must match, which leaves out each worker's own optimizer state."""
     h = hashlib.sha256()
-    for t in model.state_dict().values():
+    for t in model_state.values():
         h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -81,6 +87,7 @@ def train(args, task, backend, after_step=None) -> int:
     try:
         task, model, opt = build(args, backend, task)
         backend.state_provider = lambda: {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        backend.state_digest = lambda state: state_checksum(state["model"])
         backend.payload_validator = payload_validator(opt)
         print(f"peer {backend.peer_id} maddrs {' '.join(backend.visible_maddrs)}", flush=True)
         if args.maddrs_file:
