@@ -141,14 +141,15 @@ def _join_and_train(args, task, backend, model, opt, summary: dict, after_step) 
             opt.zero_grad()
         gather_s = opt.last_step_timing["comm_s"]
         st = backend.stats
+        # recorded before it is printed: a Ctrl-C between the two never leaves a printed step out of --out
+        summary["steps"].append(
+            {"step": step, "loss": loss.item(), "peers": backend.world_size, "gather_s": gather_s}
+        )
         print(
             f"step {step} | loss {loss.item():.5f} | peers {backend.world_size} "
             f"| sent_bytes {st.bytes_sent} | recv_bytes {st.bytes_received} "
             f"| gather_s {gather_s:.3f} | t_s {time.monotonic() - t0:.1f}",
             flush=True,
-        )
-        summary["steps"].append(
-            {"step": step, "loss": loss.item(), "peers": backend.world_size, "gather_s": gather_s}
         )
         if backend.out_of_sync:
             resync(backend, model, opt, summary)
