@@ -24,8 +24,14 @@ class Admission:
         # report_invalid excludes from the training thread, bad streams from the event loop
         self._lock = threading.Lock()
 
+    def allowed(self, peer: str) -> bool:
+        """Whether the allow list (not the exclusions) lets ``peer`` in: a private run ignores every
+        record and stream of the peers it does not list."""
+        allow = self.allow_peers
+        return allow is None or peer in allow
+
     def admits(self, peer: str) -> bool:
-        if self.allow_peers is not None and peer not in self.allow_peers:
+        if not self.allowed(peer):
             return False
         with self._lock:
             return self.excluded.get(peer, 0.0) <= time.monotonic()

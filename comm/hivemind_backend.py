@@ -157,6 +157,7 @@ class HivemindBackend(Backend):
         self.membership = Membership(
             self.dht, settings.run_id, signer, client=settings.client_mode, heartbeat_s=heartbeat_s,
             ttl_s=ttl_s, dht_timeout_s=max(2.0, 2 * heartbeat_s), in_sync=lambda: not self._book.out_of_sync,
+            allowed=self._admission.allowed,
         )
         self.membership.start()
         self._runner = RoundRunner(

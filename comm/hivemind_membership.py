@@ -6,8 +6,10 @@ that leaves cleanly overwrites its record with ``state="left"`` first. Replica c
 ``"{run_id}.checksum.{step}"``. Every record is signed by the peer it names (``hivemind_records``):
 nobody can remove a peer from a view, announce it, or report a checksum in its name. A lookup that
 fails keeps the last view (each record until its own expiry), so one lost DHT answer does not make
-the next round run alone. The view answers the backend's questions about the others: are enough
-peers here to start, who can serve state, does this peer's checksum agree with the majority's.
+the next round run alone. Records of the peers ``allowed`` refuses (outside a private run's allow
+list) count nowhere: not in the view, the departures, the state servers or the checksums. The view
+answers the backend's questions about the others: are enough peers here to start, who can serve
+state, does this peer's checksum agree with the majority's.
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ class Membership:
         ttl_s: float,
         dht_timeout_s: float,
         in_sync=lambda: True,
+        allowed=lambda peer: True,
     ):
         check_heartbeat(heartbeat_s, ttl_s)
         self.dht, self.run_id, self.signer, self.client = dht, run_id, signer, client
         self.peer_id = signer.peer_id
         self.heartbeat_s, self.ttl_s, self.dht_timeout_s = heartbeat_s, ttl_s, dht_timeout_s
         self.in_sync = in_sync  # () -> bool, announced in every heartbeat
+        # (peer) -> bool: the records of peers it refuses (a private run's strangers) count nowhere
+        self.allowed = allowed
         self.state = JOINING
         self.step = 0
         self._view: dict[str, PeerRecord] = {}
@@ -93,7 +98,7 @@ class Membership:
         view, left = {}, set()
         for peer, (body, expires) in records.items():
             record = _parse_record(body, expires)
-            if peer == self.peer_id or record is None:
+            if peer == self.peer_id or record is None or not self.allowed(peer):
                 continue
             if record.state == LEFT:
                 left.add(peer)
@@ -147,12 +152,14 @@ class Membership:
         self._store(key, str(checksum).encode(), get_dht_time() + 10 * self.ttl_s)
 
     def checksums(self, step: int) -> dict[str, str]:
-        """The checksums the peers reported after ``step``, each signed by its peer."""
+        """The checksums the peers ``allowed`` reported after ``step``, each signed by its peer."""
         records = self._signed(f"{self.run_id}.checksum.{int(step)}")
         if records is FAILED:
             return {}
         out = {}
         for peer, (body, _) in records.items():
+            if not self.allowed(peer):
+                continue
             try:
                 out[peer] = body.decode("ascii")
             except UnicodeDecodeError:

@@ -91,15 +91,16 @@ def wait_all(backends, n):
 
 
 def wait_all_visible(backends, timeout_s=10.0):
-    """Every backend announces itself; wait until each one's view lists all the others as active
-    (allow lists aside: what the view holds, not what ``wait_for_peers`` counts)."""
+    """Every backend announces itself; wait until each one's view lists as active all the others
+    its allow list admits (a private run's view holds no stranger)."""
     for b in backends:
         b.wait_for_peers(0, 0)
     deadline = time.monotonic() + timeout_s
 
     def visible(b):
         active = {p for p, rec in b.membership.view().items() if rec.state == "active"}
-        return {o.peer_id for o in backends if o is not b} <= active
+        allow = b.allow_peers
+        return {o.peer_id for o in backends if o is not b and (allow is None or o.peer_id in allow)} <= active
 
     while not all(visible(b) for b in backends):
         assert time.monotonic() < deadline, "the peers did not see each other"

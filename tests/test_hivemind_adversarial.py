@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time  # noqa: E402
 
 from distro_opt.comm import hivemind_catchup, hivemind_state, hivemind_wire as wire  # noqa: E402
 from distro_opt.comm.hivemind_backend import HivemindBackendError  # noqa: E402
+from distro_opt.comm.hivemind_membership import FAILED  # noqa: E402
 from distro_opt.comm.hivemind_round import Round  # noqa: E402
 from distro_opt.comm.hivemind_state import StateFormatError, dump_state, load_state  # noqa: E402
 
@@ -154,6 +155,47 @@ def test_a_stranger_to_a_private_run_reads_no_payload_of_a_past_round(dhts):
 
         received = stranger._link.call(ask_for_the_log_of_step_0(), 10)
         assert bytes(filled(7)) not in received and bytes(filled(8)) not in received
+
+
+def test_a_private_run_ignores_the_heartbeats_and_checksums_of_a_stranger(dhts):
+    with group(dhts, n=3, wait=False) as (a, b, stranger):
+        a.allow_peers = b.allow_peers = {a.peer_id, b.peer_id}
+        local.wait_all_visible([a, b, stranger])
+        stranger.membership.step = 10_000  # a far more advanced, in-sync peer: the best state server
+        stranger.membership.beat()
+        stranger.publish_checksum(5, "made-up")
+        b.publish_checksum(5, "honest")
+        deadline = time.monotonic() + 20
+
+        def raw(key):  # what any peer of the DHT reads under a key, allow lists aside
+            records = a.membership._signed(key)
+            return {} if records is FAILED else records
+
+        while not (
+            stranger.peer_id in raw(a.membership.key) and stranger.peer_id in raw(f"{a.run_id}.checksum.5")
+        ):
+            assert time.monotonic() < deadline, "the stranger's records never reached the DHT"
+            time.sleep(0.1)
+        a.membership.refresh()
+        assert set(a.membership.view()) == {b.peer_id}
+        assert a.wait_for_peers(2, 0.5) == 1  # the stranger is not counted as a peer of the run
+        assert a.membership.checksums(5) == {b.peer_id: "honest"}
+        assert a.compare_checksum(5, "honest") is None
+        assert a.membership.state_servers(None, lambda p: True) == [b.peer_id]
+        # a peer of the run that leaves is seen leaving; a stranger's departure is not seen at all
+        stranger.membership.leave()
+        b.membership.leave()
+
+        def left(peer):
+            record = raw(a.membership.key).get(peer)
+            return record is not None and json.loads(record[0])["state"] == "left"
+
+        while not (left(b.peer_id) and left(stranger.peer_id)):
+            assert time.monotonic() < deadline, "the leaves never reached the DHT"
+            time.sleep(0.1)
+        a.membership.refresh()
+        assert a.membership.has_left(b.peer_id) and not a.membership.has_left(stranger.peer_id)
+        assert a.membership.view() == {}
 
 
 def forged_signature_value(body: bytes) -> list:
