@@ -22,7 +22,7 @@ payloads; fewer count as missing payloads) abstains, applies nothing and sets ``
 that the program reloads state, which it takes only when a majority of the servers asked vouch for
 it (``CatchUp.download_state``). When every vote reaches every
 voter, all peers compute the same set; what can still slip through (a peer that vanishes between its
-votes; two client-mode peers that never reach each other; a voter that tells peers different things;
+votes; a voter that tells peers different things;
 a peer whose vote was refused because it received too little in time) is caught
 by the replica checksum the peer program compares through the DHT every K steps
 (``publish_checksum``/``compare_checksum``): a peer in the minority reloads state. With no majority
@@ -39,8 +39,8 @@ aggregates with a trimmed mean (``distro_opt/robust.py``).
 ``stats`` counts the gather streams' bytes, ``state_stats`` the state streams'.
 
 NAT: a ``client_mode=True`` peer accepts no streams; it opens one to every server, which answers on
-it (flag REPLY). Two client-mode peers reach each other only through a relay
-(``dht_kwargs=dict(use_auto_relay=True)`` or ``trusted_relays=[maddr]``).
+it (flag REPLY). Two client-mode peers never exchange payloads, so a run holds at most one: a
+client-mode peer that sees another one active refuses before its first round.
 
 Parts wired together here: ``RoundRunner`` (the phases), ``GatherStreams`` (their bytes), ``CatchUp``
 (state), ``RoundBook`` (rounds), ``Admission`` (allow list, exclusions), ``Membership`` (DHT view),
@@ -119,6 +119,7 @@ class HivemindBackend(Backend):
         self.state_stats = self._catchup.stats
         self._closed = threading.Event()
         self._left = threading.Event()
+        self._gathered = False  # whether this peer has started a round (see _refuse_a_second_client)
         self.membership: Membership | None = None
         self._runner: RoundRunner | None = None  # made once this peer knows its id and view
         try:
@@ -253,6 +254,9 @@ class HivemindBackend(Backend):
         check_buffer(buf)
         if self._closed.is_set():
             raise HivemindBackendError("this peer left the run" if self._left.is_set() else "the backend is closed")
+        if not self._gathered:
+            self._refuse_a_second_client()
+            self._gathered = True
         payload = buf.detach().to("cpu").contiguous().numpy().tobytes()
         step = self._book.take_next()
         self.membership.state, self.membership.step = ACTIVE, step
@@ -277,6 +281,24 @@ class HivemindBackend(Backend):
             ]
 
         return PendingGather(wait)
+
+    def _refuse_a_second_client(self) -> None:
+        """Before its first round, a client-mode peer refuses to train in a run that already holds
+        another one: two client-mode peers never exchange payloads (neither accepts a stream), so each
+        would apply a different set at every step and the replicas would drift apart for good."""
+        if not self.settings.client_mode:
+            return
+        others = sorted(
+            p for p, rec in self.membership.view().items()
+            if rec.client and rec.state == ACTIVE and self._admission.admits(p)
+        )
+        if others:
+            raise HivemindBackendError(
+                f"client-mode peer {', '.join(others)} is already in this run, and two client-mode peers "
+                "never exchange payloads (neither accepts a stream), so their replicas would drift "
+                "apart: run this peer where the others can reach it (a public or port-forwarded "
+                "--host-maddrs address) instead of --client-mode"
+            )
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Gather every contributor's bytes and reduce the finite ones in contributor order."""

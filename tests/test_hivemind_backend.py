@@ -56,6 +56,26 @@ def test_client_mode_peer_exchanges_payloads_without_accepting_streams(dhts):
         assert [sorted(firsts(r)) for r in results] == [[10, 11, 12]] * 3
 
 
+def test_a_second_client_mode_peer_refuses_to_train_and_the_run_goes_on_without_it(dhts):
+    # two client-mode peers never reach each other: training both would split the replicas for good
+    with group(dhts, n=2, options={1: {"client_mode": True}}, step_timeout_s=local.ROOMY_STEP_TIMEOUT_S) as (a, b):
+        results, _ = gather([(a, filled(1)), (b, filled(2))])
+        assert [sorted(firsts(r)) for r in results] == [[1, 2]] * 2
+        c = HivemindBackend(a.run_id, dht=dhts[2], client_mode=True, heartbeat_s=0.3, ttl_s=1.5)
+        try:
+            local.wait_all_visible([a, b, c])
+            with pytest.raises(HivemindBackendError, match=f"client-mode peer {b.peer_id} is already"):
+                c.start_all_gather(filled(3))
+        finally:
+            c.close()
+        deadline = time.monotonic() + 20
+        while not (a.membership.has_left(c.peer_id) and b.membership.has_left(c.peer_id)):
+            assert time.monotonic() < deadline, "the refusing peer's leave never arrived"
+            time.sleep(0.1)
+        results, _ = gather([(a, filled(1)), (b, filled(2))])
+        assert [sorted(firsts(r)) for r in results] == [[1, 2]] * 2 and not b.out_of_sync
+
+
 def test_peer_that_misses_the_deadline_is_left_out_and_the_step_stays_bounded(dhts):
     with group(dhts) as (a, b, c):
         results, times = gather([(a, filled(1)), (b, filled(2))])
