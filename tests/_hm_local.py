@@ -99,8 +99,7 @@ def wait_all_visible(backends, timeout_s=10.0):
 
     def visible(b):
         active = {p for p, rec in b.membership.view().items() if rec.state == "active"}
-        allow = b.allow_peers
-        return {o.peer_id for o in backends if o is not b and (allow is None or o.peer_id in allow)} <= active
+        return {o.peer_id for o in backends if o is not b and b.membership.allowed(o.peer_id)} <= active
 
     while not all(visible(b) for b in backends):
         assert time.monotonic() < deadline, "the peers did not see each other"
