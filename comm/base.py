@@ -91,6 +91,10 @@ class Backend(ABC):
     # with a trimmed mean that bounds what any of them can do (``distro_opt/robust.py``); the backend
     # only states who may be sending, it never looks inside a payload.
     untrusted_fraction: float = 0.0
+    # True where one worker's bad payload must not stop the others (peers who join from anywhere):
+    # the optimizer then leaves an invalid payload out of the step and calls ``report_invalid``.
+    # False (a fixed world of trusted workers): an invalid payload fails the step on every worker.
+    drops_invalid_payloads: bool = False
 
     @abstractmethod
     def all_gather(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -107,6 +111,11 @@ class Backend(ABC):
         """Start an all-gather; the default runs it at once. Backends that can overlap override it."""
         result = self.all_gather(buf)
         return PendingGather(lambda: result)
+
+    def report_invalid(self, index_or_peer) -> None:
+        """Told by the optimizer that payload ``index_or_peer`` of the last gather (or that peer's)
+        was invalid and left out, where ``drops_invalid_payloads``. A backend may exclude its sender;
+        by default nothing happens."""
 
     def close(self) -> None:
         """Release whatever the backend holds (threads, sockets, peers)."""
