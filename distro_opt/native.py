@@ -65,6 +65,11 @@ def disabled():
             _disabled[0] -= 1
 
 
+def active() -> bool:
+    """False inside a ``disabled()`` block (the step plans of ``plan.py`` are cached under it)."""
+    return not _disabled[0]
+
+
 def select_level(level: int) -> str:
     """Run the kernel's copy for instruction-set level ``level`` at most (0 generic, 1 AVX2, 2 AVX-512;
     tests check each copy this CPU can run); returns the one chosen."""

@@ -1,8 +1,9 @@
 """The torch.optim side of DeMo and DisTrOAdamW: groups, state, step(), overlap, checkpoints.
 
 ``step()`` runs the pipeline of ``step.py`` with this optimizer's parts: its communication backend
-(``distro_opt.comm``), its transform, its momentum buffers, its input source (``local_steps.py``:
-the gradients, or pseudo-gradients every H steps) and each group's update rule (``updates.py``).
+(``distro_opt.comm``), its transform, its momentum buffers, the step plan of each layout
+(``plan.py``, cached), its input source (``local_steps.py``: the gradients, or pseudo-gradients
+every H steps) and each group's update rule (``updates.py``). ``_step`` reads top to bottom.
 A subclass says two things: each group's momentum input scale and its update rule.
 
 ``step()`` and ``flush()`` run under ``torch.inference_mode()``, so the step's many small tensor
@@ -14,16 +15,18 @@ users may inspect, modify and save as with any torch optimizer.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from distro_opt.comm import Backend, CommStats
+from distro_opt.comm import Backend, CommStats, PendingGather
 
 from . import checkpoint, guards, shards
 from .settings import check_hyperparameters, check_params
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
-from .step import apply_update, check_inputs, compress, unpack_payloads, momentum_state
+from .plan import StepPlan, plan_key, plan_step
+from .step import aggregator, apply_update, check_inputs, compress, momentum_state, unpack_payloads
 from .transform import DCTTransform
 from .updates import WeightDecay
 from .wire import PayloadLayout, param_spec
@@ -39,6 +42,16 @@ def _with_group_copies(entries):
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"
             }
     return [(copies[id(group)], p) for group, p in entries]
+
+
+@dataclass
+class _InFlight:
+    """A started gather and what its update applies to: the step's entries (in overlap mode with
+    copies of their groups' settings as they were) and its payload layout."""
+
+    handle: PendingGather
+    entries: list
+    layout: PayloadLayout
 
 
 class DecoupledMomentumOptimizer(torch.optim.Optimizer):
@@ -61,9 +74,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self._start = guards.TrainingStart(type(self).__name__, comm, process_group)
         self.overlap = bool(overlap)
         self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
-        self._stacks = MomentumStacks(DCTTransform())
+        self._transform = DCTTransform()
+        self._stacks = MomentumStacks()
+        self._plans: dict[tuple, StepPlan] = {}
         self._weight_decay = WeightDecay()
-        self._pending = None  # overlap mode: the collective started last step
+        self._pending: _InFlight | None = None  # overlap mode: the gather started last step
 
     def __getstate__(self):
         """Refused, naming the supported way. torch's optimizers copy and pickle only defaults,
@@ -154,76 +169,106 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        """One step, top to bottom: the replica checks when due; this worker's payload (stages 1-5
+        of ``step.py``); then, blocking, the gather, its validation, the commit of the new momentum
+        and the update; or, in overlap mode, the previous step's gather received, this step's
+        momentum committed and its gather started, and the previous step's update applied."""
         t0 = time.perf_counter()
         entries = self._entries()
-        if self._start.checks_due:  # the replicas are compared by their anchors in the local-step mode
-            replicas = [self.state.get(p, {}).get("anchor", p) for _, p in entries]
-            settings = guards.settings_of(
-                self.param_groups, optimizer=type(self).__name__, error_feedback=self.error_feedback,
-                overlap=self.overlap, sync_every=getattr(self, "sync_every", 1),
-            )
-            self._start.check(self.comm, [p for _, p in entries], replicas, settings)
+        if self._start.checks_due:
+            self._check_replicas(entries)
         if not self._source.communicates(self, entries):  # a local step: nothing to send
             self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
             return
         layout = self._layout(entries)
-        parts, news = None, None
-        if self._source.contributes(self):
-            self._stacks.begin_step([
-                shards.local(st["delta"]) for st in self.state.values() if isinstance(st, dict) and "delta" in st
-            ])
-            inputs = [shards.local(x) for x in self._source.inputs(self, entries)]
-            check_inputs(entries, inputs)
-            work, states = self._local_work(entries)
-            unscale = self._source.unscale(self)
-            scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
-            parts, news = compress(
-                work, layout, inputs, states.dicts, self._stacks, scales, feedback=self.error_feedback
-            )
-            states.write_back()
+        parts, news = self._compress(entries, layout) if self._source.contributes(self) else (None, None)
         buf = layout.pack(parts)
-        codec_s = time.perf_counter() - t0
-
-        def commit():  # once every payload of the step is valid: a rejected step changes nothing
-            for (_, p), new in zip(entries, news or []):
-                self.state[p]["delta"] = shards.like_param(new, p)
-
         if self.overlap:  # step t's collective travels while step t+1 computes; its update lands then
             previous, self._pending = self._pending, None
-
-            def commit_and_send():
-                commit()
-                # the update lands at the next step, but with this step's hyperparameters, as when
-                # blocking: a scheduler stepped in between, or a flush by one rank alone (state_dict),
-                # must not change what any worker applies
-                self._pending = (self.comm.start_all_gather(buf), _with_group_copies(entries), layout)
-
-            if previous is None:
-                commit_and_send()
-                comm_s, apply_s = 0.0, 0.0
-            else:
-                comm_s, apply_s = self._finish(previous, before_apply=commit_and_send)
+            unpacked, wait_s = self._receive(previous) if previous is not None else (None, 0.0)
+            self._commit(entries, news)
+            # the update lands at the next step, but with this step's hyperparameters, as when
+            # blocking: a scheduler stepped in between, or a flush by one rank alone (state_dict),
+            # must not change what any worker applies
+            self._pending, start_s = self._start_gather(buf, _with_group_copies(entries), layout)
+            if previous is not None:
+                self._apply(previous, unpacked)
         else:
-            pending = (self.comm.start_all_gather(buf), entries, layout)
-            comm_s, apply_s = self._finish(pending, before_apply=commit)
-        self.last_step_timing = {"codec_s": codec_s + apply_s, "comm_s": comm_s}
+            flight, start_s = self._start_gather(buf, entries, layout)
+            unpacked, wait_s = self._receive(flight)
+            self._commit(entries, news)  # only now: a rejected step changes nothing
+            self._apply(flight, unpacked)
+        comm_s = start_s + wait_s
+        self.last_step_timing = {"codec_s": time.perf_counter() - t0 - comm_s, "comm_s": comm_s}
 
-    def _finish(self, pending, before_apply=None):
-        """Wait for a started collective, validate every payload, then (and only then) write."""
-        handle, entries, layout = pending
+    def _check_replicas(self, entries) -> None:
+        """The start checks (``guards.TrainingStart``); the replicas are compared by their anchors in
+        the local-step mode."""
+        replicas = [self.state.get(p, {}).get("anchor", p) for _, p in entries]
+        settings = guards.settings_of(
+            self.param_groups, optimizer=type(self).__name__, error_feedback=self.error_feedback,
+            overlap=self.overlap, sync_every=getattr(self, "sync_every", 1),
+        )
+        self._start.check(self.comm, [p for _, p in entries], replicas, settings)
+
+    def _compress(self, entries, layout: PayloadLayout):
+        """This worker's payload parts and new momenta (``step.compress``); the state is untouched."""
+        self._stacks.begin_step([
+            shards.local(st["delta"]) for st in self.state.values() if isinstance(st, dict) and "delta" in st
+        ])
+        inputs = [shards.local(x) for x in self._source.inputs(self, entries)]
+        check_inputs(entries, inputs)
+        work, states = self._local_work(entries)
+        unscale = self._source.unscale(self)
+        scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
+        plan = self._plan(layout, entries, [st["delta"] for st in states.dicts])
+        parts, news = compress(
+            plan, work, inputs, states.dicts, self._stacks, self._transform, scales, feedback=self.error_feedback
+        )
+        states.write_back()
+        return parts, news
+
+    def _plan(self, layout: PayloadLayout, entries, deltas) -> StepPlan:
+        """The step plan (``plan.py``) of ``layout`` for ``entries`` with momenta ``deltas``, cached."""
+        position = {id(g): i for i, g in enumerate(self.param_groups)}
+        group_of = [position[id(g)] for g, _ in entries]
+        key = plan_key(layout, group_of, deltas)
+        if key not in self._plans:
+            self._plans[key] = plan_step(layout, group_of, deltas)
+        return self._plans[key]
+
+    def _commit(self, entries, news) -> None:
+        """The step's new momenta become the state (none where this worker contributed nothing)."""
+        for (_, p), new in zip(entries, news or []):
+            self.state[p]["delta"] = shards.like_param(new, p)
+
+    def _start_gather(self, buf, entries, layout) -> tuple[_InFlight, float]:
+        """This step's gather started; returns it with the seconds the backend took to start it."""
         t0 = time.perf_counter()
-        bufs = handle.wait()
-        t1 = time.perf_counter()
-        unpacked = unpack_payloads(entries, layout, bufs, self.comm)
-        if before_apply is not None:
-            before_apply()
-        if unpacked or not self._source.skips_empty_steps:  # else nobody contributed: skipped alike
-            work, states = self._local_work(entries)
-            untrusted = getattr(self.comm, "untrusted_fraction", 0.0)  # a volunteer run open to strangers
-            apply_update(work, layout, unpacked, states.dicts, self._stacks.transform, self._update_rule, untrusted)
-            states.write_back()
-            self._source.after_update(self, entries)
-        return t1 - t0, time.perf_counter() - t1
+        flight = _InFlight(self.comm.start_all_gather(buf), entries, layout)
+        return flight, time.perf_counter() - t0
+
+    def _receive(self, flight: _InFlight) -> tuple[list, float]:
+        """Wait for ``flight``'s gather and validate every payload (``step.unpack_payloads``), which
+        raises before anything is written where one is invalid (unless the backend drops invalid
+        ones). Returns the unpacked payloads and the seconds spent waiting."""
+        t0 = time.perf_counter()
+        bufs = flight.handle.wait()
+        wait_s = time.perf_counter() - t0
+        return unpack_payloads(flight.entries, flight.layout, bufs, self.comm), wait_s
+
+    def _apply(self, flight: _InFlight, unpacked) -> None:
+        """Stages 8-10 of ``flight``'s payloads (``step.apply_update``); a step nobody contributed to
+        is skipped alike on every worker where the input source says so."""
+        if not unpacked and self._source.skips_empty_steps:
+            return
+        work, states = self._local_work(flight.entries)
+        apply_update(
+            work, flight.layout, unpacked, states.dicts, self._transform, self._update_rule,
+            aggregator(self.comm.untrusted_fraction),
+        )
+        states.write_back()
+        self._source.after_update(self, flight.entries)
 
     def _local_work(self, entries):
         """The step's view of ``entries``: (group, local tensor) pairs, and their states with the
@@ -238,9 +283,9 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
     def flush(self) -> None:
         """Overlap mode: wait for the last collective and apply its update (a no-op otherwise)."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
+            flight, self._pending = self._pending, None
             with torch.inference_mode():
-                self._finish(pending)
+                self._apply(flight, self._receive(flight)[0])
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self):

@@ -10,12 +10,14 @@ Algorithm 1). Per parameter p with momentum input g (its gradient, or a pseudo-g
     6. gather                 one all-gather of that buffer                  the optimizer's backend
     7. validate and unpack    every payload, before anything changes         ``unpack_payloads``
     8. aggregate              each coefficient: mean over the workers that kept it   ``aggregate``
-                              (untrusted contributors: a trimmed mean over all)      ``robust.py``
+                              (untrusted contributors: a trimmed mean over all)      ``aggregator``
     9. inverse transform      U = IDCT(aggregate)                            ``apply_update``
    10. update                 p <- rule(p, U): sign, rms, adam, outer        ``apply_update``, ``updates.py``
 
 (beta = compression_decay; s = lr for DeMo, 1 for DisTrOAdamW.) The optimizer commits Delta' only
-once every payload of the step has been validated, so a rejected step changes nothing.
+once every payload of the step has been validated, so a rejected step changes nothing. What runs on
+each segment in stages 1-3 (forward path, batches, top-k reader, codec) is read from the step plan
+(``plan.py``), decided once per layout; stage 8's rule is passed in (``aggregator``).
 
 Because the DCT is orthonormal, keeping Delta in the DCT domain is the reference's spatial-domain
 buffer in other coordinates, and saves one inverse transform per step. ``reference.py`` is the same
@@ -27,12 +29,13 @@ reads them there as runs along the last axis.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
 from .robust import trimmed_mean_aggregate
-from .values import PayloadError, value_codec
+from .values import PayloadError
 from .wire import PayloadLayout, Segment
 
 
@@ -81,43 +84,42 @@ def check_inputs(entries, inputs) -> None:
             )
 
 
-def compress(entries, layout: PayloadLayout, inputs, states, stacks, scales, feedback="sent"):
-    """Stages 1-4 for every segment, without touching the state.
+def compress(plan, entries, inputs, states, stacks, transform, scales, feedback="sent"):
+    """Stages 1-4 for every segment of the step ``plan`` (``plan.py``), without touching the state.
 
     ``entries``: (group, parameter) pairs; ``inputs``: each one's momentum input (None: zeros);
     ``states``: each one's state dict (``momentum_state``); ``stacks``: the ``MomentumStacks``;
-    ``scales``: each group's input scale s, by ``id(group)``; ``feedback``: what stage 4 subtracts
-    (``FEEDBACKS`` in ``settings.py``: "sent", the values as the receivers dequantize them, or
-    "kept", the top-k values before quantization). Returns (parts, new momenta): per
-    segment (indices, value bytes) to pack, and per parameter its new momentum (views of the stack
-    buffer), or (None, None) when this worker must contribute nothing this step.
+    ``transform``: the ``DCTTransform``; ``scales``: each group's input scale s, by ``id(group)``;
+    ``feedback``: what stage 4 subtracts (``FEEDBACKS`` in ``settings.py``: "sent", the values as the
+    receivers dequantize them, or "kept", the top-k values before quantization). Returns (parts, new
+    momenta): per segment (indices, value bytes) to pack, and per parameter its new momentum (views
+    of the stack buffer), or (None, None) when this worker must contribute nothing this step.
 
     A NaN or inf input spreads to every coefficient of its chunk, and top-k ranks those first, so
     checking what is about to be sent finds it without another pass over the inputs. It is checked
     as the receivers will dequantize it: a finite value beyond bf16's (or float32's) range travels as
     inf, which every receiver would refuse."""
     parts, news, sents = [], [None] * len(entries), []
-    for j, seg in enumerate(layout.segments):
+    for sp in plan.segments:
+        seg, n = sp.seg, sp.seg.chunk_numel
         deltas = [states[m]["delta"] for m in seg.members]
-        old, new, peaks = stacks.open(layout, j, seg, deltas)
-        filled = peaks is not None  # each run's peak taken during the transform, for the top-k
-        for run, (a, b) in stacks.runs(entries, layout, seg):  # 1. new = beta * old + s * DCT(g)
-            group = entries[run[0]][0]
+        old, new = stacks.open(sp.index, seg, deltas)
+        for run, (a, b) in sp.runs:  # 1. new = beta * old + s * DCT(g), each run's peaks on the way
+            group, last = entries[run[0]][0], seg.chunk[-1]
             xs = [_input(entries[m][1], inputs[m], new.dtype) for m in run]
-            n, last = seg.chunk_numel, seg.chunk[-1]
-            filled &= stacks.transform.accumulate(
+            transform.accumulate(
                 xs, seg.chunk, old[a * n : b * n], new[a * n : b * n],
                 decay=group["compression_decay"], scale=scales[id(group)],
-                peaks=None if peaks is None else peaks[a * n // last : b * n // last],
+                peaks=None if sp.peaks is None else sp.peaks[a * n // last : b * n // last], path=sp.forward,
             )
-        idx, kept, subtract = stacks.select(layout, j, seg, new, peaks if filled else None)  # 2.
-        vbytes, sent = value_codec(seg.bits).quantize(kept)  # 3. sent: the values as unpacked
+        idx, kept, subtract = sp.select(new)  # 2. top-k per chunk
+        vbytes, sent = sp.codec.quantize(kept)  # 3. sent: the values as unpacked
         subtract(kept if feedback == "kept" else sent)  # 4. error feedback: the momentum keeps the rest
         sents.append(sent)
         parts.append((idx, vbytes))
         with torch.inference_mode(False):  # the new state: views of the stack, copies where dtypes mix
             for m, d, (start, end) in zip(seg.members, deltas, seg.rows):
-                news[m] = as_dtype(new[start * seg.chunk_numel : end * seg.chunk_numel].view(d.shape), d.dtype)
+                news[m] = as_dtype(new[start * n : end * n].view(d.shape), d.dtype)
     if not all_finite(sents):
         warnings.warn(
             "distro-opt: non-finite local gradient (or momentum beyond the range of compression_bits' "
@@ -139,14 +141,13 @@ def unpack_payloads(entries, layout: PayloadLayout, bufs, comm) -> list:
     payload raises ``PayloadError``, unless the backend drops invalid payloads (a volunteer run), in
     which case it is reported to the backend and left out."""
     unpacked = []
-    drops = getattr(comm, "drops_invalid_payloads", False)
     for i, buf in enumerate(bufs):
         try:
             payload = layout.unpack(buf)
             if payload is not None:
                 payload = _in_work_dtypes(entries, layout, payload)
         except PayloadError as exc:
-            if not drops:
+            if not comm.drops_invalid_payloads:
                 raise PayloadError(f"payload of worker {i} rejected: {exc}") from None
             warnings.warn(f"distro-opt: dropped invalid payload {i}: {exc}")
             comm.report_invalid(i)
@@ -198,15 +199,20 @@ def aggregate(seg: Segment, contributions, like: torch.Tensor):
     return idx, values / count
 
 
-def apply_update(
-    entries, layout: PayloadLayout, unpacked, states, transform, rule_of, untrusted_fraction=0.0
-) -> None:
-    """Stages 8-10: per segment, the aggregate of the unpacked payloads, its inverse transform U per
-    parameter, and ``rule_of(group).apply(group, params, Us, states)`` (``updates.py``) on each group's
-    parameters in the segment. With no payload at all U is zero (the rule still runs: the local-step
-    mode's outer step moves on its momentum).
-    ``untrusted_fraction`` > 0 (the backend's, for runs open to strangers) takes the trimmed mean of
-    ``robust.py`` instead of DeMo's aggregate.
+def aggregator(untrusted_fraction: float):
+    """Stage 8's rule for a backend's ``untrusted_fraction``: DeMo's ``aggregate`` where every
+    contributor is trusted (0), else the trimmed mean of ``robust.py``, which bounds what that share
+    of rogues can do. Called as ``rule(seg, contributions, like)``."""
+    if untrusted_fraction > 0:
+        return functools.partial(trimmed_mean_aggregate, untrusted_fraction=untrusted_fraction, to_device=to_device)
+    return aggregate
+
+
+def apply_update(entries, layout: PayloadLayout, unpacked, states, transform, rule_of, aggregate_fn=aggregate) -> None:
+    """Stages 8-10: per segment, the aggregate of the unpacked payloads (``aggregate_fn``, see
+    ``aggregator``), its inverse transform U per parameter, and ``rule_of(group).apply(group, params,
+    Us, states)`` (``updates.py``) on each group's parameters in the segment. With no payload at all U
+    is zero (the rule still runs: the local-step mode's outer step moves on its momentum).
 
     U comes in the transform's blocked layout (``DCTTransform.inverse_sparse_groups``), which a
     contiguous parameter's view lines up with element for element, in lists that share a workspace
@@ -216,10 +222,7 @@ def apply_update(
         seg_states = [states[m] for m in seg.members]
         if unpacked:
             contributions, like = [d[j] for d in unpacked], seg_states[0]["delta"]
-            if untrusted_fraction > 0:
-                idx, weights = trimmed_mean_aggregate(seg, contributions, like, untrusted_fraction, to_device)
-            else:
-                idx, weights = aggregate(seg, contributions, like=like)
+            idx, weights = aggregate_fn(seg, contributions, like)
             pieces = [(a, b, tuple(p.shape)) for p, (a, b) in zip(params, seg.rows)]
             # lists of directions usable together (a list's workspace may be reused for the next)
             direction_lists = transform.inverse_sparse_groups(idx, weights, seg.chunk, pieces)

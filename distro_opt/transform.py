@@ -1,6 +1,7 @@
 """``DCTTransform``: the one interface to the chunked DCT (``dct.py``) and its fast paths.
 
-The forward transform's path is chosen in one place, ``DCTTransform.forward_path``:
+The forward transform's path is chosen in one place, ``DCTTransform.forward_path``, which the
+step plan (``plan.py``) asks once per layout segment:
 
 * ``"native"``: the C kernel (``native.py``) for float32 CPU matrices of 64 x 64 chunks, where it
   was built: the decayed sum and each run's peak in one pass per chunk;
@@ -59,15 +60,16 @@ class DCTTransform:
         """Whether ``accumulate`` into tensors like ``like`` also takes each run's peak."""
         return cls.forward_path(chunk, like) != "gemm"
 
-    def accumulate(self, xs, chunk, old, out, decay: float, scale: float, peaks=None) -> bool:
+    def accumulate(self, xs, chunk, old, out, decay: float, scale: float, peaks=None, path=None) -> bool:
         """``out = decay * old + scale * DCT(x)`` for every ``x`` of ``xs`` (tensors of one shape),
         where ``old`` and ``out`` are flat and hold the xs' coefficients back to back, each in its
         tensor's own layout (``old`` None: zeros, on the native and oneDNN paths).
 
         ``peaks`` (optional, flat, one entry per run of ``chunk[-1]`` coefficients along the last
         axis of ``out``) receives each run's largest magnitude where the path takes it while the
-        data is in cache (``fills_peaks``); returns whether it did."""
-        path = self.forward_path(chunk, out)
+        data is in cache (``fills_peaks``); returns whether it did. ``path``: the forward path where
+        the caller chose it already (a step plan, ``plan.py``); else it is chosen here."""
+        path = path or self.forward_path(chunk, out)
         if path == "native":
             native.accumulate(xs, old, out, decay, scale, peaks)
         elif path == "onednn":

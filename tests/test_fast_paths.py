@@ -66,11 +66,20 @@ def test_run_peaks_taken_during_the_transform_select_what_a_separate_pass_select
     """On the CPU in float32 the forward transform hands the top-k each run's peak, taken from cache
     (``DCTTransform.accumulate(peaks=...)``). The steps must be bit-identical to ones where the top-k
     computes the peaks itself, over matrices that share slabs and one that spans several."""
-    from distro_opt.momentum import MomentumStacks
+    import distro_opt.optimizer as optimizer_module
+
+    planned = []
 
     def run(with_peaks):
-        if not with_peaks:
-            monkeypatch.setattr(MomentumStacks, "peaks", lambda self, layout, j, seg, stack: None)
+        def plan_step(*args):
+            plan = original(*args)
+            for segment in plan.segments:
+                segment.peaks = segment.peaks if with_peaks else None
+            planned.extend(segment.peaks is not None for segment in plan.segments)
+            return plan
+
+        original = optimizer_module.plan_step
+        monkeypatch.setattr(optimizer_module, "plan_step", plan_step)
         torch.manual_seed(0)
         shapes = [(256, 128), (64, 64), (64, 64), (1024, 512), (256,)]
         params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
@@ -83,6 +92,7 @@ def test_run_peaks_taken_during_the_transform_select_what_a_separate_pass_select
         return [p.detach().clone() for p in params], [opt.state[p]["delta"].clone() for p in params]
 
     params_a, deltas_a = run(True)
+    assert any(planned)  # the peaks were planned, so the first run took them during the transform
     params_b, deltas_b = run(False)
     assert all(torch.equal(a, b) for a, b in zip(params_a, params_b))
     assert all(torch.equal(a, b) for a, b in zip(deltas_a, deltas_b))
