@@ -32,6 +32,10 @@ import time
 from dataclasses import dataclass
 
 RATES_MBIT = {"10mbit": 10, "100mbit": 100, "1gbit": 1000, "uncapped": None}
+# The headers on every packet the lab's counters count: Ethernet 14, IPv4 20, TCP 20 and the
+# timestamps option Linux sends on every segment, 12. (A GSO packet, many segments long, is counted
+# once with one header; the counters count it so too.)
+TCP_FRAME_BYTES = 66
 EXIT_CANNOT_RUN = 2
 _CMD_TIMEOUT_S = 30
 
@@ -289,6 +293,13 @@ s.shutdown(socket.SHUT_WR); s.recv(1)
 """
 
 
+def tcp_payload_bytes(counters: dict[str, int], way: str = "tx") -> int:
+    """What the counter deltas ``counters`` (of ``Lab.counters``) say TCP carried one way: the bytes
+    less one header per packet (``TCP_FRAME_BYTES``). Retransmits count as payload again; the longer
+    options of a SYN make it a few bytes short per connection."""
+    return counters[f"{way}_bytes"] - TCP_FRAME_BYTES * counters[f"{way}_packets"]
+
+
 def transfer(lab: Lab, src: int, dst: int, nbytes: int, timeout: float = 120) -> dict:
     """Send ``nbytes`` over TCP from peer ``src`` to peer ``dst`` (plain Python sockets); returns the
     bytes received, the receiver's seconds from first byte to end, and each side's counter deltas."""
@@ -303,9 +314,9 @@ def transfer(lab: Lab, src: int, dst: int, nbytes: int, timeout: float = 120) ->
         raise LabError(f"the sender in peer {src} failed: {sent.stderr.strip()}")
     got, seconds = rx.communicate(timeout=timeout)[0].split()
     after = (lab.counters(src), lab.counters(dst))
-    return {"bytes": int(got), "seconds": float(seconds),
-            "src_tx_bytes": after[0]["tx_bytes"] - before[0]["tx_bytes"],
-            "dst_rx_bytes": after[1]["rx_bytes"] - before[1]["rx_bytes"]}
+    src = {k: after[0][k] - before[0][k] for k in after[0]}
+    return {"bytes": int(got), "seconds": float(seconds), "src_tx_bytes": src["tx_bytes"],
+            "dst_rx_bytes": after[1]["rx_bytes"] - before[1]["rx_bytes"], "src_tx_payload": tcp_payload_bytes(src)}
 
 
 def main(argv: list[str] | None = None) -> int:
