@@ -73,6 +73,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self._layouts: dict[tuple, PayloadLayout] = {}
         self._start = guards.TrainingStart(type(self).__name__, comm, process_group)
         self.overlap = bool(overlap)
+        # seconds of the last step: in the backend (starting and waiting for the gather) and the rest
         self.last_step_timing = {"codec_s": 0.0, "comm_s": 0.0}
         self._transform = DCTTransform()
         self._stacks = MomentumStacks()

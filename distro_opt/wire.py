@@ -7,7 +7,7 @@ Layout of a payload (all sizes fixed by the shapes and settings, known before an
     segment 0  the chunks of every parameter sharing one (chunk shape, k, bits), stacked in
                parameter order: their indices, bit-packed with ceil(log2(chunk_numel)) bits each
                (12 bits for 64x64 chunks), then their values in the codec of ``compression_bits``
-               (see ``quant.py``)
+               (see ``values.py``)
     segment 1  ...
 
 Segments let one step pack, unpack, aggregate and invert a whole group of same-shaped chunks in a
