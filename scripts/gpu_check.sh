@@ -6,8 +6,8 @@
 #
 # 1. environment: torch, CUDA, NCCL versions, GPU count
 # 2. the training example at world size 1 over NCCL (fp32, then bf16 + autocast + overlap)
-# 3. the tests marked nccl (tests/test_torch_backend.py, world size min(2, GPUs)) or cuda
-#    (tests/test_cuda.py: GPU against CPU results, checkpoints moved between them)
+# 3. the tests marked nccl (tests/comm/test_torch_backend.py, world size min(2, GPUs)) or cuda
+#    (tests/unit/test_cuda.py: GPU against CPU results, checkpoints moved between them)
 # 4. the optimizer step time on GPU 0 (benchmarks/bench_step.py) for the 5M and the 1.2B shapes
 #    (the 1.2B one needs ~80 GB of GPU memory; BENCH_1B=0 skips it)
 # Every command has a time limit; the script stops at the first failure.
@@ -39,7 +39,7 @@ run_example
 run_example --dtype bfloat16 --autocast --overlap
 
 echo "== NCCL and CUDA tests"
-timeout 600 "$PYTEST" tests/test_torch_backend.py tests/test_cuda.py -m "nccl or cuda" -q -rs -p no:cacheprovider
+timeout 600 "$PYTEST" tests/comm/test_torch_backend.py tests/unit/test_cuda.py -m "nccl or cuda" -q -rs -p no:cacheprovider
 
 echo "== optimizer step time on the GPU"
 timeout 300 "$PYTHON" benchmarks/bench_step.py --device cuda --model 5m --steps 20 --rounds 5

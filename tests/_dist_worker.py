@@ -2,7 +2,7 @@
 
 JOBS is a JSON list of ``[name, scenario, args]``, run in order in one process group.
 
-The launcher (tests/test_torch_backend.py) sets RANK, WORLD_SIZE and DISTRO_OPT_RENDEZVOUS_FILE:
+The launcher (tests/comm/test_torch_backend.py) sets RANK, WORLD_SIZE and DISTRO_OPT_RENDEZVOUS_FILE:
 the ranks meet through a file (experiments.process_group), and Gloo's own sockets are on 127.0.0.1
 (GLOO_SOCKET_IFNAME=lo). Each scenario returns a dict; they are saved to OUTDIR/rank{RANK}.pt for
 the test to check, as ``{name: result}``; an unexpected exception is saved there too

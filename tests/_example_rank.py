@@ -1,5 +1,5 @@
 """One rank of a docs example: ``python tests/_example_rank.py OUTDIR '["EXAMPLE"]'`` (the arguments
-tests/test_torch_backend.py's ``launch`` gives its worker, with the example as the one job).
+tests/comm/test_torch_backend.py's ``launch`` gives its worker, with the example as the one job).
 
 The example runs as it is (``runpy``, as ``__main__``); around it this records, for the test:
 every step of each distro-opt optimizer (a global step pre-hook: a checksum of its gradients then;

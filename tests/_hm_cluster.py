@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from _procs import default_sigint
+
 STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.eE+-]+|nan|inf) \| peers (\d+) .*\| gather_s ([0-9.]+)")
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -34,6 +36,7 @@ class Peer:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=default_sigint,  # interrupt() is Ctrl-C, also under a shell's background job
         )
         self.lines: list[str] = []
         self._cond = threading.Condition()

@@ -15,7 +15,7 @@ import torch
 from distro_opt.comm import CommStats
 from distro_opt.guards import CHECKSUM_NBYTES
 from distro_opt.wire import PayloadLayout, param_spec
-from test_torch_backend import HEADER_BYTES, expect_success, launch
+from _ranks import HEADER_BYTES, expect_success, launch
 
 STEPS = 6
 

@@ -5,67 +5,19 @@ whatever is left on the way out, and checks the per-rank results the workers sav
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from distro_opt.experiments.process_group import one_machine_env
+if __name__ == "__main__":  # run as a rank (the scenarios at the end): the helpers are in tests/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-WORKER = Path(__file__).with_name("_dist_worker.py")
+from _ranks import HEADER_BYTES, expect_success, launch, read_logs  # noqa: E402
+
 SELF = Path(__file__)  # a rank that also knows the scenarios at the end of this file
-HEADER_BYTES = 8
 DESCRIPTOR_BYTES = 64  # what ranks send to agree on an all_reduce tensor's shape and dtype
-
-
-def launch(jobs, world_size, tmp_path, timeout_s=60.0, wait_ranks=None, dist_backend="gloo", worker=WORKER):
-    """Run ``world_size`` ranks doing ``jobs`` ([name, scenario, args] each, in order); wait for
-    ``wait_ranks`` (default all) and kill the rest. Returns ``(results, returncodes)``: results[r] is
-    what rank r saved, ``{name: result}`` (None if it saved nothing). ``worker``: the script each rank
-    runs (this file runs as one for the scenarios at its end)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TEST_DIST_BACKEND=dist_backend)
-    procs, logs = [], []
-    try:
-        for r in range(world_size):
-            log = open(tmp_path / f"log{r}.txt", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(worker), str(tmp_path), json.dumps(jobs, default=str)],
-                env={**env, **one_machine_env(r, world_size, tmp_path / "rendezvous")},  # no TCP store
-                stdout=log, stderr=subprocess.STDOUT,
-            ))
-        deadline = time.monotonic() + timeout_s
-        for r in (range(world_size) if wait_ranks is None else wait_ranks):
-            try:
-                procs[r].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {r} still running after {timeout_s} s:\n{read_logs(tmp_path, world_size)}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        for log in logs:
-            log.close()
-    results = []
-    for r in range(world_size):
-        path = tmp_path / f"rank{r}.pt"
-        results.append(torch.load(path, weights_only=False) if path.exists() else None)
-    return results, [p.returncode for p in procs]
-
-
-def read_logs(tmp_path, world_size) -> str:
-    return "\n".join(f"--- rank {r}\n" + (tmp_path / f"log{r}.txt").read_text() for r in range(world_size))
-
-
-def expect_success(results, codes, tmp_path):
-    assert codes == [0] * len(codes), read_logs(tmp_path, len(codes))
-    return results
 
 
 def pattern(nbytes, rank, call):
@@ -460,7 +412,7 @@ def test_nccl_training_is_identical_across_ranks_and_learns(tmp_path):
         assert res["eval_loss"] < res["eval_loss_start"]
 
 
-# -- scenarios only these tests use: ``python tests/test_torch_backend.py OUTDIR JOBS`` is a rank -----
+# -- scenarios only these tests use: ``python tests/comm/test_torch_backend.py OUTDIR JOBS`` is a rank -----
 
 
 def attempt(fn) -> dict:

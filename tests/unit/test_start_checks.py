@@ -103,7 +103,7 @@ def test_per_rank_seeds_raise_the_same_error_on_every_worker_before_anything_cha
 def test_settings_that_differ_on_one_worker_raise_the_same_error_on_every_worker_before_anything_changes(cls, odd):
     """The same parameters, and one worker given another hyperparameter: all three refuse the first
     step alike. (Settings that shape the payload, top-k, chunk and bits, fail every step's exchange
-    alike instead: tests/test_workers.py.)"""
+    alike instead: tests/unit/test_workers.py.)"""
     models = [make_model() for _ in range(3)]
 
     def worker(comm):

@@ -21,7 +21,7 @@ from distro_opt.experiments.netlab import Lab, LabUnavailable, check_can_run  # 
 
 def _load_helper(name: str):
     # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1].joinpath(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -29,7 +29,7 @@ def _load_helper(name: str):
 
 
 Peer = _load_helper("_hm_cluster").Peer
-PEER_PROGRAM = str(Path(__file__).with_name("_hm_peer.py"))
+PEER_PROGRAM = str(Path(__file__).resolve().parents[1].joinpath("_hm_peer.py"))
 STEPS = 8
 
 

@@ -6,7 +6,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PARITY = ROOT / "research" / "gpu_parity.sh"
 SESSION = ROOT / "research" / "gpu_session.sh"
 ENV = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}

@@ -19,7 +19,7 @@ from distro_opt.experiments.peer_arms import demo_payload_nbytes, powersgd_eleme
 from distro_opt.experiments.presets import get_preset
 
 from _procs import wait_all
-from test_torch_dist_run import run_args, start_ranks
+from _ranks import run_args, start_ranks
 
 STEPS = 8
 

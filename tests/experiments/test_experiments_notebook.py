@@ -12,7 +12,7 @@ from distro_opt.experiments.plots import PLOT_FILES
 
 from _models import TINY_TRANSFORMER_FLAGS
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "bandwidth_vs_loss.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "bandwidth_vs_loss.ipynb"
 
 
 def test_notebook_shows_the_table_and_plots_of_a_run(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ pytest.importorskip("hivemind")
 
 def _load_helper(name: str):
     # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1].joinpath(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -128,7 +128,7 @@ def rogue(tmp_path_factory):
         "--exclude-s",
         "1",
     ]
-    script = str(Path(__file__).with_name("_hm_rogue.py"))
+    script = str(Path(__file__).resolve().parents[1].joinpath("_hm_rogue.py"))
     with Cluster(workdir, "rogue", common) as cluster:
         a = cluster.start("a", "--shard", "0", "--maddrs-file", "a.addr", "--out", "a.json")
         maddrs = cluster.read_maddrs("a.addr", 90)

@@ -24,12 +24,12 @@ import torch
 from distro_opt.comm import CommStats
 from distro_opt.guards import CHECKSUM_NBYTES
 
-from test_torch_backend import HEADER_BYTES, expect_success, launch
+from _ranks import HEADER_BYTES, expect_success, launch
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
-RANK_SCRIPT = Path(__file__).with_name("_example_rank.py")
-DDP_SCRIPT = Path(__file__).with_name("_ddp_beside_distro.py")
-CHECKPOINTS_SCRIPT = Path(__file__).with_name("_two_rank_checkpoints.py")
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+RANK_SCRIPT = Path(__file__).resolve().parents[1].joinpath("_example_rank.py")
+DDP_SCRIPT = Path(__file__).resolve().parents[1].joinpath("_ddp_beside_distro.py")
+CHECKPOINTS_SCRIPT = Path(__file__).resolve().parents[1].joinpath("_two_rank_checkpoints.py")
 
 
 def launch_script(script: Path, world_size: int, tmp: Path):

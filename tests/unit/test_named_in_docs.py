@@ -8,7 +8,7 @@ import pytest
 
 from distro_opt.wrappers import warning_text
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOTTED = re.compile(r"\bdistro_opt(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 

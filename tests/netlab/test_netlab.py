@@ -15,7 +15,7 @@ from _procs import default_sigint
 from distro_opt.experiments.netlab import Lab, LabUnavailable, check_can_run, lab_namespaces, transfer
 
 MB = 1_000_000
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cannot_run() -> str | None:

@@ -1,6 +1,6 @@
 """integrations.rank_states: each rank's optimizer state beside a tool's checkpoint, and the
 checkpoints a world cannot resume exactly, refused alike on every rank (the files as the ranks
-write them; the multi-process runs are in tests/test_integrations.py)."""
+write them; the multi-process runs are in tests/multiprocess/test_integrations.py)."""
 import pytest
 import torch
 

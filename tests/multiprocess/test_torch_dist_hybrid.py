@@ -32,7 +32,7 @@ from distro_opt.wire import PayloadLayout, param_spec
 
 from _models import TINY_TRANSFORMER_FLAGS
 from _procs import wait_all
-from test_torch_backend import expect_success, launch as launch_scenarios
+from _ranks import expect_success, launch as launch_scenarios
 
 STEPS = 4
 TOPK, CHUNK = 4, 16

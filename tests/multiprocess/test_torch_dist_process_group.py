@@ -7,7 +7,6 @@ by a wall-clock timeout; whatever is left is killed on the way out.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import signal
 import socket
@@ -15,23 +14,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from distro_opt.experiments.process_group import one_machine_env, single_process_group
 
-
-def _load_by_path(name: str, alias: str):
-    # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
-    spec = importlib.util.spec_from_file_location(alias, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_backend_tests = _load_by_path("test_torch_backend", "_torch_backend_tests")  # its rank launcher
-launch, read_logs = _backend_tests.launch, _backend_tests.read_logs
+from _ranks import launch, read_logs
 
 
 def test_rendezvous_file_of_a_killed_job_is_refused_on_every_rank_instead_of_hanging(tmp_path):

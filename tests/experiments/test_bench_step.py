@@ -9,7 +9,7 @@ import torch
 
 from distro_opt import DisTrOAdamW, DeMo
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_step.py"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step.py"
 
 
 @pytest.fixture

@@ -14,27 +14,8 @@ import time
 
 from distro_opt.experiments.process_group import one_machine_env
 
-from _models import TINY_TRANSFORMER_FLAGS
-from _procs import default_sigint, wait_all
-
-
-def run_args(corpus, out, cache=None, steps=4, arms="distro"):
-    folder, prepared = corpus
-    return ["--preset", "smoke", "--arms", arms, "--workers", "2", "--out", out,
-            "--cache", cache or prepared, "--corpus", folder, "--tokenizer", "byte",
-            *TINY_TRANSFORMER_FLAGS, "--seq-len", "32",
-            "--batch-size", "2", "--steps", steps, "--warmup-steps", "1", "--eval-every", "1000",
-            "--eval-batches", "1", "--eval-batch-size", "2", "--checkpoint-every", "1000",
-            "--no-progress", "--no-plots", "--timeout-s", "20"]
-
-
-def start_ranks(tmp_path, rank_args, rendezvous):
-    return [subprocess.Popen([sys.executable, "-m", "distro_opt.experiments.run", *map(str, args)],
-                             cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                **one_machine_env(rank, 2, rendezvous)},
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=default_sigint)
-            for rank, args in enumerate(rank_args)]
+from _procs import wait_all
+from _ranks import run_args, start_ranks
 
 
 def test_a_start_that_fails_on_another_rank_leaves_out_untouched(corpus, tmp_path):
