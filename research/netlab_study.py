@@ -116,13 +116,19 @@ def main() -> int:
     ap.add_argument("--marginal-steps", type=int, default=None,
                     help="at the last rate, also run each arm this many steps, to compare the bytes of the "
                          "steps alone (default: half of --steps; 0: skip)")
+    ap.add_argument("--table", action="store_true", help="only rewrite --out's study.md from its study.json")
     args = ap.parse_args()
+    if args.table:
+        study = json.loads((args.out / "study.json").read_text())
+        (args.out / "study.md").write_text(table(study))
+        print(table(study))
+        return 0
     if args.marginal_steps is None:
         args.marginal_steps = args.steps // 2
     if not 0 <= args.marginal_steps < args.steps:
         ap.error(f"--marginal-steps {args.marginal_steps}: expected 0 to {args.steps - 1} (fewer than --steps)")
     if args.out.exists():
-        print(f"error: --out {args.out} exists (never overwritten)", file=sys.stderr)
+        print(f"error: --out {args.out} exists (never overwritten; --table rewrites its study.md)", file=sys.stderr)
         return 2
     arms, rates = args.arms.split(","), [float(r) for r in args.rates.split(",")]
     alone = {arm: compute_alone(args, arm, args.out / "alone" / arm) for arm in arms}
@@ -161,6 +167,27 @@ def main() -> int:
     return 0
 
 
+def crossover_mbit(study: dict, arm: str, rtt_ms: float, base: str = "adamw") -> float | None:
+    """The link rate (Mbit/s) below which ``arm`` reaches the target sooner than ``base``, in the
+    model: per arm, steps to the target x (compute alone + c / rate + rounds x RTT), c its measured
+    communication s per step at the lowest rate times that rate. None where ``arm`` is ahead at every
+    rate (or behind at every rate: then 0.0)."""
+    lowest = min(study["rates"], key=float)
+    per = study["rates"][lowest]
+
+    def terms(name):
+        a = per[name]
+        steps = next(p["step"] for p in a["curve"] if p["val_loss"] <= a["target_loss"])
+        comm = float(lowest) * a["comm_s"] / study["steps"]
+        return steps, study["compute_alone_s"][name] + ROUNDS[name](study["workers"]) * rtt_ms / 1e3, comm
+
+    (n_b, fixed_b, comm_b), (n_a, fixed_a, comm_a) = terms(base), terms(arm)
+    saved, lost = n_b * comm_b - n_a * comm_a, n_a * fixed_a - n_b * fixed_b  # x / rate against a constant
+    if lost <= 0:
+        return None if saved >= 0 else 0.0
+    return max(saved / lost, 0.0)
+
+
 def _s(seconds: float | None) -> str:
     return "not reached" if seconds is None else f"{seconds:.1f}"
 
@@ -182,6 +209,13 @@ def table(study: dict) -> str:
                          f"{_s(t['wall_s'])} | {_s(t['model_s'])} | {a['comm_s']:.1f} | "
                          + _ratios(a["kernel_over_backend"]) + " | " + _ratios(a["payload_over_backend"]) + " | "
                          + (_ratios(a["marginal"]["payload_over_backend"]) if "marginal" in a else "-") + " |")
+    lines.append("")
+    for arm in next(iter(study["rates"].values())):
+        if arm != "adamw":
+            for rtt in (0.0, study["rtt_ms"]):
+                r = crossover_mbit(study, arm, rtt)
+                said = "ahead at every rate" if r is None else f"ahead below {r:.0f} Mbit/s"
+                lines.append(f"- {arm} against adamw, RTT {rtt:g} ms (model): {said}")
     return "\n".join(lines) + "\n"
 
 
