@@ -6,7 +6,8 @@ from .optimizer import DecoupledMomentumOptimizer
 from .settings import (
     ADAMW_FLAGS, check_adamw_flags, check_adamw_settings, check_error_feedback, check_hyperparameters,
 )
-from .updates import AdamUpdate, OuterUpdate, RmsUpdate, SignUpdate
+from .precondition import check_precondition
+from .updates import AdamUpdate, LinearUpdate, OuterUpdate, RmsUpdate, SignUpdate
 
 class DisTrOAdamW(DecoupledMomentumOptimizer):
     """AdamW's constructor, DeMo's communication (arXiv 2411.19870), Psyche's lean wire format.
@@ -21,6 +22,12 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
       size, U's shape.
     * ``update="adam"``: ``m = b1 m + (1-b1) U``, ``v = b2 v + (1-b2) U^2``,
       ``p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)``: AdamW's normalization of U.
+    * ``update="linear"``: ``p -= lr * U``, the aggregate as it is (with ``precondition="adam"``).
+
+    ``precondition="adam"`` feeds the momentum each worker's gradient divided by the root of its own
+    second moment, ``g / (sqrt(v_hat) + eps)`` with ``v = b2 v + (1-b2) g^2`` (b2 = ``betas[1]``),
+    instead of g: an Adam-normalized momentum is compressed, as in 1-bit Adam (``precondition.py``).
+    Per-step mode only.
 
     Local-step mode (``sync_every=H > 1``; DiLoCo, Douillard et al. 2023; SparseLoCo 2025): each
     worker takes H steps of ``inner_optimizer`` (AdamW with this optimizer's lr, betas, eps and
@@ -56,7 +63,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     of the gradient off by ~0.4%.
     """
 
-    _optional_group_keys = tuple(ADAMW_FLAGS)
+    _optional_group_keys = (*ADAMW_FLAGS, "precondition")
 
     def __init__(
         self,
@@ -77,6 +84,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         compression_chunk: int = 64,
         compression_bits: int = 1,
         update: str = "sign",
+        precondition: str = "none",
         error_feedback: str = "sent",
         sync_every: int = 1,
         inner_optimizer=None,
@@ -88,12 +96,18 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits)
         check_adamw_settings(betas, eps, update, outer_lr, outer_momentum)
         check_error_feedback(error_feedback)
+        check_precondition(precondition)
+        if sync_every > 1 and precondition != "none":
+            raise ValueError(
+                f"precondition={precondition!r} applies to the per-step mode only (sync_every=1): in the "
+                "local-step mode the inner optimizer takes the gradients"
+            )
         if not (isinstance(sync_every, int) and sync_every >= 1):
             raise ValueError(f"Invalid sync_every value: {sync_every}")
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, compression_decay=compression_decay,
             compression_topk=compression_topk, compression_chunk=compression_chunk,
-            compression_bits=compression_bits, update=update, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            compression_bits=compression_bits, update=update, precondition=precondition, outer_lr=outer_lr, outer_momentum=outer_momentum,
             amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
         )
@@ -103,7 +117,8 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         weight_decay_rule = self._weight_decay
         self._rules = {
             "sign": SignUpdate(weight_decay_rule), "rms": RmsUpdate(weight_decay_rule),
-            "adam": AdamUpdate(weight_decay_rule), "outer": OuterUpdate(),
+            "adam": AdamUpdate(weight_decay_rule), "linear": LinearUpdate(weight_decay_rule),
+            "outer": OuterUpdate(),
         }
         if sync_every > 1:
             if overlap:
@@ -118,6 +133,9 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             group["betas"], group["eps"], group["update"], group["outer_lr"], group["outer_momentum"]
         )
         check_adamw_flags(group, local_steps=self.sync_every > 1)
+        check_precondition(group.get("precondition", "none"))
+        if self.sync_every > 1 and group.get("precondition", "none") != "none":
+            raise ValueError("precondition applies to the per-step mode only (sync_every=1)")
 
     @property
     def inner_optimizer(self):
@@ -153,3 +171,4 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         for group in self.param_groups:  # checkpoints that lack the AdamW flags get their defaults
             for key, value in ADAMW_FLAGS.items():
                 group.setdefault(key, value)
+            group.setdefault("precondition", "none")

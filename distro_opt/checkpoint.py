@@ -17,7 +17,9 @@ from .shards import is_sharded, local
 DELTA_LAYOUT = "tensor"
 ROWS_LAYOUT = "chunk rows"
 # State tensors of a parameter's shape (DisTrOAdamW's Adam update and local-step mode add some).
-PARAM_SHAPED_STATE = ("delta", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "anchor", "outer_momentum_buffer")
+PARAM_SHAPED_STATE = (
+    "delta", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "anchor", "outer_momentum_buffer", "input_exp_avg_sq",
+)
 
 
 def by_position(state_dict: dict) -> dict:

@@ -26,6 +26,7 @@ from .settings import check_hyperparameters, check_params
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
 from .plan import StepPlan, plan_key, plan_step
+from .precondition import commit as commit_moments, precondition
 from .step import aggregator, apply_update, check_inputs, compress, momentum_state, unpack_payloads
 from .transform import DCTTransform
 from .updates import WeightDecay
@@ -213,13 +214,15 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         self._start.check(self.comm, [p for _, p in entries], replicas, settings)
 
     def _compress(self, entries, layout: PayloadLayout):
-        """This worker's payload parts and new momenta (``step.compress``); the state is untouched."""
+        """This worker's payload parts and what its state becomes (``step.compress``: the new momenta;
+        ``precondition.py``: the new moments of the inputs); the state is untouched."""
         self._stacks.begin_step([
             shards.local(st["delta"]) for st in self.state.values() if isinstance(st, dict) and "delta" in st
         ])
         inputs = [shards.local(x) for x in self._source.inputs(self, entries)]
         check_inputs(entries, inputs)
         work, states = self._local_work(entries)
+        inputs, moments = precondition(work, inputs, states.dicts)
         unscale = self._source.unscale(self)
         scales = {id(g): self._momentum_scale(g) * unscale for g, _ in entries}
         plan = self._plan(layout, entries, [st["delta"] for st in states.dicts])
@@ -227,7 +230,7 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             plan, work, inputs, states.dicts, self._stacks, self._transform, scales, feedback=self.error_feedback
         )
         states.write_back()
-        return parts, news
+        return (None, None) if news is None else (parts, (news, moments))
 
     def _plan(self, layout: PayloadLayout, entries, deltas) -> StepPlan:
         """The step plan (``plan.py``) of ``layout`` for ``entries`` with momenta ``deltas``, cached."""
@@ -239,9 +242,14 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
         return self._plans[key]
 
     def _commit(self, entries, news) -> None:
-        """The step's new momenta become the state (none where this worker contributed nothing)."""
-        for (_, p), new in zip(entries, news or []):
+        """The step's new momenta and input moments become the state (nothing where this worker
+        contributed nothing)."""
+        if news is None:
+            return
+        momenta, moments = news
+        for (_, p), new in zip(entries, momenta):
             self.state[p]["delta"] = shards.like_param(new, p)
+        commit_moments(entries, moments, self.state)
 
     def _start_gather(self, buf, entries, layout) -> tuple[_InFlight, float]:
         """This step's gather started; returns it with the seconds the backend took to start it."""

@@ -40,7 +40,7 @@ def check_hyperparameters(lr, weight_decay, compression_decay, compression_topk,
     value_codec(compression_bits)
 
 
-UPDATES = ("sign", "adam", "rms")
+UPDATES = ("sign", "adam", "rms", "linear")
 # What the error feedback subtracts from the momentum: what the receivers dequantize (DeMo's rule:
 # the quantization error stays in the momentum and is sent later), or the kept top-k values before
 # quantization (Psyche's: the momentum forgets the kept coefficients whole).

@@ -11,6 +11,7 @@ GPU the step is bound by the host's launches); the others go tensor by tensor.
 
 * ``SignUpdate``: ``p -= lr * sign(U)``, DeMo's update.
 * ``RmsUpdate``: ``p -= lr * U / rms(U)``, the RMS over the tensor: the sign step's size, U's shape.
+* ``LinearUpdate``: ``p -= lr * U``, for an already normalized momentum (``precondition="adam"``).
 * ``AdamUpdate``: AdamW's moments of U (Kingma & Ba 2015), ``p -= lr * m_hat / (sqrt(v_hat) + eps)``.
 * ``OuterUpdate``: the local-step mode's outer SGD step on the anchor (DiLoCo, Douillard et al. 2023),
   ``anchor -= outer_lr * (U + mu * m)``, ``m = mu * m + U`` (Nesterov when mu > 0); p restarts there.
@@ -123,6 +124,19 @@ class RmsUpdate(DecayingRule):
         rms = torch.linalg.vector_norm(direction) / direction.numel() ** 0.5
         direction.div_(rms.clamp_min(torch.finfo(direction.dtype).tiny))
         target.add_(direction.to(p.dtype), alpha=-group["lr"])
+
+
+class LinearUpdate(DecayingRule):
+    """p -= lr * U: the aggregate as it is, for a momentum that is already normalized
+    (``precondition="adam"``). A group's tensors are updated together, with foreach ops."""
+
+    def __call__(self, group, p, direction, state) -> None:
+        self.apply(group, [p], [direction], [state])
+
+    def apply(self, group, params, directions, states) -> None:
+        self.weight_decay.apply(group, params)
+        targets = [p.view(d.shape) for p, d in zip(params, directions)]
+        torch._foreach_add_(targets, [as_dtype(d, p.dtype) for p, d in zip(params, directions)], alpha=-group["lr"])
 
 
 class AdamUpdate(DecayingRule):
