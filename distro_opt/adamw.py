@@ -96,18 +96,14 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
         check_hyperparameters(lr, weight_decay, compression_decay, compression_topk, compression_chunk, compression_bits)
         check_adamw_settings(betas, eps, update, outer_lr, outer_momentum)
         check_error_feedback(error_feedback)
-        check_precondition(precondition)
-        if sync_every > 1 and precondition != "none":
-            raise ValueError(
-                f"precondition={precondition!r} applies to the per-step mode only (sync_every=1): in the "
-                "local-step mode the inner optimizer takes the gradients"
-            )
         if not (isinstance(sync_every, int) and sync_every >= 1):
             raise ValueError(f"Invalid sync_every value: {sync_every}")
+        check_precondition(precondition, sync_every)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, compression_decay=compression_decay,
             compression_topk=compression_topk, compression_chunk=compression_chunk,
-            compression_bits=compression_bits, update=update, precondition=precondition, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            compression_bits=compression_bits, update=update, precondition=precondition, outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
             amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
         )
@@ -133,9 +129,7 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
             group["betas"], group["eps"], group["update"], group["outer_lr"], group["outer_momentum"]
         )
         check_adamw_flags(group, local_steps=self.sync_every > 1)
-        check_precondition(group.get("precondition", "none"))
-        if self.sync_every > 1 and group.get("precondition", "none") != "none":
-            raise ValueError("precondition applies to the per-step mode only (sync_every=1)")
+        check_precondition(group.get("precondition", "none"), self.sync_every)
 
     @property
     def inner_optimizer(self):

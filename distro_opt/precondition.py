@@ -21,9 +21,15 @@ PRECONDITIONS = ("none", "adam")
 MOMENT, COUNT = "input_exp_avg_sq", "input_step"
 
 
-def check_precondition(value) -> None:
+def check_precondition(value, sync_every: int) -> None:
+    """A known preconditioner, and none in the local-step mode (its inner optimizer takes the gradients)."""
     if value not in PRECONDITIONS:
         raise ValueError(f"Invalid precondition: {value!r} (expected one of {PRECONDITIONS})")
+    if sync_every > 1 and value != "none":
+        raise ValueError(
+            f"precondition={value!r} applies to the per-step mode only (sync_every=1): in the "
+            "local-step mode the inner optimizer takes the gradients"
+        )
 
 
 def precondition(entries, inputs, states):

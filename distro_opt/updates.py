@@ -98,9 +98,9 @@ class DecayingRule(UpdateRule):
         self.weight_decay = weight_decay
 
 
-class SignUpdate(DecayingRule):
-    """DeMo's update: p -= lr * sign(U). U is this step's own scratch: its sign is taken in place.
-    A group's tensors are updated together, with foreach ops."""
+class LinearUpdate(DecayingRule):
+    """p -= lr * U: the aggregate as it is, for a momentum that is already normalized
+    (``precondition="adam"``). A group's tensors are updated together, with foreach ops."""
 
     def __call__(self, group, p, direction, state) -> None:
         self.apply(group, [p], [direction], [state])
@@ -108,10 +108,17 @@ class SignUpdate(DecayingRule):
     def apply(self, group, params, directions, states) -> None:
         # the weight decay on p itself: a contiguous pass is cheaper than the blocked view
         self.weight_decay.apply(group, params)
-        torch._foreach_sign_(directions)
         targets = [p.view(d.shape) for p, d in zip(params, directions)]
-        signs = [as_dtype(d, p.dtype) for p, d in zip(params, directions)]
-        torch._foreach_add_(targets, signs, alpha=-group["lr"])
+        torch._foreach_add_(targets, [as_dtype(d, p.dtype) for p, d in zip(params, directions)], alpha=-group["lr"])
+
+
+class SignUpdate(LinearUpdate):
+    """DeMo's update: p -= lr * sign(U), the linear step of U's sign. U is this step's own scratch:
+    its sign is taken in place. A group's tensors are updated together, with foreach ops."""
+
+    def apply(self, group, params, directions, states) -> None:
+        torch._foreach_sign_(directions)
+        super().apply(group, params, directions, states)
 
 
 class RmsUpdate(DecayingRule):
@@ -124,19 +131,6 @@ class RmsUpdate(DecayingRule):
         rms = torch.linalg.vector_norm(direction) / direction.numel() ** 0.5
         direction.div_(rms.clamp_min(torch.finfo(direction.dtype).tiny))
         target.add_(direction.to(p.dtype), alpha=-group["lr"])
-
-
-class LinearUpdate(DecayingRule):
-    """p -= lr * U: the aggregate as it is, for a momentum that is already normalized
-    (``precondition="adam"``). A group's tensors are updated together, with foreach ops."""
-
-    def __call__(self, group, p, direction, state) -> None:
-        self.apply(group, [p], [direction], [state])
-
-    def apply(self, group, params, directions, states) -> None:
-        self.weight_decay.apply(group, params)
-        targets = [p.view(d.shape) for p, d in zip(params, directions)]
-        torch._foreach_add_(targets, [as_dtype(d, p.dtype) for p, d in zip(params, directions)], alpha=-group["lr"])
 
 
 class AdamUpdate(DecayingRule):

@@ -6,28 +6,16 @@ guard must catch it and reload the majority's state. Rogue: two honest peers and
 Each scenario runs once (module fixture); the tests below check one behaviour each.
 """
 
-import importlib.util
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("hivemind")
 
-
-def _load_helper(name: str):
-    # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1].joinpath(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-Cluster = _load_helper("_hm_cluster").Cluster
+from _hm_cluster import Cluster  # noqa: E402
 
 STEP_TIMEOUT_S = 4.0
 

@@ -6,7 +6,6 @@ first peer's address. It must take part in every step (each peer sees 3 contribu
 the same parameters as the others, with no replica reload: whether it runs in ``--client-mode`` or
 announces its private address, which nobody can dial (libp2p then reuses the connections it opened).
 """
-import importlib.util
 import json
 import sys
 import time
@@ -19,16 +18,7 @@ pytest.importorskip("hivemind")
 from distro_opt.experiments.netlab import Lab, LabUnavailable, check_can_run  # noqa: E402
 
 
-def _load_helper(name: str):
-    # tests/ is not a package and pytest runs with --import-mode=importlib: load the helper by path
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1].joinpath(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-Peer = _load_helper("_hm_cluster").Peer
+from _hm_cluster import Peer  # noqa: E402
 PEER_PROGRAM = str(Path(__file__).resolve().parents[1].joinpath("_hm_peer.py"))
 STEPS = 8
 
