@@ -58,12 +58,13 @@ class ForwardDCTOnly:
 
 
 class GemmPath:
-    """DisTrOAdamW with its defaults, its forward DCT on the GEMM path (oneDNN or MKL) instead of the
-    native kernel (``distro_opt.native.disabled()`` around its own steps): what the step costs
-    where the kernel is not built."""
+    """DisTrOAdamW with DeMo's rule (``update="sign"``: 64x64 chunks, which the native kernel serves),
+    its forward DCT on the GEMM path (oneDNN or MKL) instead of the native kernel
+    (``distro_opt.native.disabled()`` around its own steps): what that step costs where the kernel
+    is not built."""
 
     def __init__(self, params):
-        self.optimizer = DisTrOAdamW(params, lr=1e-3)
+        self.optimizer = DisTrOAdamW(params, lr=1e-3, update="sign")
         self.payload_nbytes = self.optimizer.payload_nbytes
 
     def step(self):
@@ -72,7 +73,8 @@ class GemmPath:
 
 
 class WithBf16Gemms:
-    """DisTrOAdamW with its defaults, stepped with ``torch.backends.mkldnn.matmul.fp32_precision``
+    """DisTrOAdamW with its defaults (16x16 chunks: the GEMM path), stepped with
+    ``torch.backends.mkldnn.matmul.fp32_precision``
     set to "bf16" (the user's process-wide permission for bf16 float32 matmuls, which its forward
     DCT's oneDNN GEMMs then take on a CPU that computes bf16) around its own steps only, so that
     the other arms run with torch's default."""
@@ -96,9 +98,10 @@ class WithBf16Gemms:
 ARMS = {
     "AdamW (torch, foreach)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     "DisTrOAdamW (defaults)": lambda ps: DisTrOAdamW(ps, lr=1e-3),
-    "DisTrOAdamW (defaults, GEMM path)": GemmPath,
+    "DisTrOAdamW (update=sign: DeMo's rule, 64x64)": lambda ps: DisTrOAdamW(ps, lr=1e-3, update="sign"),
+    "DisTrOAdamW (update=sign, GEMM path)": GemmPath,
     "DisTrOAdamW (defaults, bf16 GEMMs allowed)": WithBf16Gemms,
-    "DisTrOAdamW (update=adam)": lambda ps: DisTrOAdamW(ps, lr=1e-3, update="adam"),
+    "DisTrOAdamW (update=adam)": lambda ps: DisTrOAdamW(ps, lr=1e-3, update="adam", compression_chunk=16),
     "DeMo (reference settings)": lambda ps: DeMo(ps, lr=1e-3),
     "forward DCT alone (not an optimizer)": ForwardDCTOnly,
 }

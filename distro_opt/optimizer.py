@@ -26,7 +26,7 @@ from .settings import check_hyperparameters, check_params
 from .local_steps import GRADIENTS
 from .momentum import MomentumStacks
 from .plan import StepPlan, plan_key, plan_step
-from .precondition import commit as commit_moments, precondition
+from .precondition import MOMENT, commit as commit_moments, precondition
 from .step import aggregator, apply_update, check_inputs, compress, momentum_state, unpack_payloads
 from .transform import DCTTransform
 from .updates import WeightDecay
@@ -43,6 +43,11 @@ def _with_group_copies(entries):
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"
             }
     return [(copies[id(group)], p) for group, p in entries]
+
+
+# State tensors that differ from worker to worker (the error feedback; the preconditioner's second
+# moment of the worker's own gradients): saved once per replica where parameters are sharded
+PER_WORKER = ("delta", MOMENT)
 
 
 @dataclass
@@ -318,10 +323,11 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _saveable(state: dict, p) -> dict:
-        """One parameter's state as saved: each worker's own momentum in ``shards.per_replica``'s
-        layout where ``p`` is sharded (the DTensor shard of a momentum stack copied)."""
-        if "delta" in state and shards.is_sharded(p):  # per_replica copies the shard: saveable then need not
-            state = {**state, "delta": shards.per_replica(state["delta"], p)}
+        """One parameter's state as saved: each worker's own tensors (``PER_WORKER``) in
+        ``shards.per_replica``'s layout where ``p`` is sharded (the DTensor shard of a momentum stack
+        copied)."""
+        if shards.is_sharded(p):  # per_replica copies the shard: saveable then need not
+            state = {**state, **{k: shards.per_replica(state[k], p) for k in PER_WORKER if k in state}}
         return shards.saveable(state)
 
     def load_state_dict(self, state_dict):
@@ -344,8 +350,8 @@ class DecoupledMomentumOptimizer(torch.optim.Optimizer):
             )
         params = [p for g in self.param_groups for p in g["params"]]
         state_dict["state"] = {
-            i: {**st, "delta": shards.from_per_replica(st["delta"], params[i])}
-            if isinstance(i, int) and i < len(params) and isinstance(st, dict) and "delta" in st else st
+            i: {**st, **{k: shards.from_per_replica(st[k], params[i]) for k in PER_WORKER if k in st}}
+            if isinstance(i, int) and i < len(params) and isinstance(st, dict) else st
             for i, st in state_dict.get("state", {}).items()
         }
         chunk_target = checkpoint.check_groups(

@@ -32,6 +32,28 @@ def check_precondition(value, sync_every: int) -> None:
         )
 
 
+# The chunk size of each rule's default density (top-4 of each chunk): the preconditioned update
+# keeps more of the data-parallel gain the denser it is sent (docs/results-workers.md), the sign
+# step and the local-step mode keep DeMo's 64x64
+DEFAULT_CHUNK = {"adam": 16, "none": 64}
+
+
+def default_rule(precondition, update, chunk, sync_every: int) -> tuple:
+    """``(precondition, update, chunk)`` with the defaults filled in where a value is None. In the
+    per-step mode with neither rule given: ``precondition="adam"``, ``update="linear"``, 16x16
+    chunks. A given update other than ``"linear"`` defaults to no preconditioner
+    (``update="sign"`` alone is DeMo's rule, with its 64x64 chunks), and ``precondition="none"``
+    alone to the sign update. The local-step mode: no preconditioner (its inner optimizer takes the
+    gradients; the outer step replaces the update), 64x64 chunks."""
+    if precondition is None:
+        precondition = "adam" if sync_every == 1 and update in (None, "linear") else "none"
+    if update is None:
+        update = "linear" if precondition == "adam" else "sign"
+    if chunk is None:
+        chunk = DEFAULT_CHUNK.get(precondition, 64)
+    return precondition, update, chunk
+
+
 def precondition(entries, inputs, states):
     """``inputs`` (each entry's momentum input, None for zeros) preconditioned where the entry's group
     says ``"adam"``, with the moments to commit: [(index, new v, new count)]. ``states`` are the

@@ -23,7 +23,7 @@ from .arms import build_optimizer, check_arm, parse_arms
 from .model import Transformer, count_parameters
 from .presets import PRESETS, get_preset
 
-DEFAULT_SETTINGS = "distro,distro:topk=8,bits=2,distro:topk=64,bits=2,demo"
+DEFAULT_SETTINGS = "distro,distro:update=sign,distro:update=sign,topk=8,bits=2,distro:update=sign,topk=64,bits=2,demo"
 DISTRO_REPORT = {
     "n_params": 1_200_000_000,
     "workers": 32,

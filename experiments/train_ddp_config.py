@@ -20,7 +20,7 @@ HELP = {
     "in_features": "MLP input width",
     "hidden": "MLP hidden width (two hidden layers)",
     "out_features": "MLP output width",
-    "lr": "DisTrOAdamW learning rate (size of the sign step)",
+    "lr": "DisTrOAdamW learning rate",
     "compression_topk": "DCT coefficients sent per chunk",
     "compression_chunk": "DCT chunk size per dimension",
     "compression_bits": "bits per sent value",

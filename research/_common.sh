@@ -45,3 +45,16 @@ PY
     fi
     "$PY" -m experiments.prepare --corpus "$dir"
 }
+
+text_part() {  # text_part PART: EXTRA, the runner's flags for one text: none for sh (Shakespeare),
+    # the Canterbury texts (made once under $OUT) for ca
+    EXTRA=()
+    case $1 in
+        sh) ;;
+        ca)
+            canterbury_corpus "$OUT/corpus-canterbury"
+            EXTRA=(--corpus "$OUT/corpus-canterbury")
+            ;;
+        *) echo "PART must be sh or ca, not '$1'" >&2; return 2 ;;
+    esac
+}

@@ -13,16 +13,14 @@ OUT=${1:-runs/density}
 PART=${2:?PART: sh or ca}
 mkdir -p "$OUT"
 . research/_common.sh
-EXTRA=()
-if [ "$PART" = ca ]; then
-    canterbury_corpus "$OUT/corpus-canterbury"
-    EXTRA=(--corpus "$OUT/corpus-canterbury")
-fi
+text_part "$PART"  # sets EXTRA
 P="distro:precondition=adam,update=linear"
+S="distro:update=sign"  # DeMo's rule: 64x64 chunks
+P64="$P,chunk=64"
 BASE=(--steps 150 --lr 0.004 --seeds 0 --no-plots --torch-threads 1 --no-alone "${EXTRA[@]}")
-run "screen-$PART" "${BASE[@]}" --arms "adamw,alone:lr=0.002,distro,distro:topk=16,distro:chunk=16,\
-distro:topk=32,bits=2,$P,lr=0.001,$P,lr=0.001,topk=16,$P,lr=0.001,chunk=16"
+run "screen-$PART" "${BASE[@]}" --arms "adamw,alone:lr=0.002,$S,$S,topk=16,$S,chunk=16,\
+$S,topk=32,bits=2,$P64,lr=0.001,$P64,lr=0.001,topk=16,$P,lr=0.001,chunk=16"
 run "screen2-$PART-w4" "${BASE[@]}" --arms "adamw,alone:lr=0.002,$P,lr=0.002,chunk=16,$P,lr=0.0005,chunk=16,\
-$P,lr=0.001,chunk=16,topk=2,$P,lr=0.001,chunk=32,topk=8,$P,lr=0.001,chunk=32,topk=4,$P,lr=0.002,topk=16"
-run "screen2-$PART-w16" --preset volunteer "${BASE[@]}" --arms "adamw,alone:lr=0.002,alone:lr=0.001,distro,\
-$P,lr=0.001,$P,lr=0.001,chunk=16,$P,lr=0.001,topk=16,$P,lr=0.001,chunk=32,topk=4"
+$P,lr=0.001,chunk=16,topk=2,$P,lr=0.001,chunk=32,topk=8,$P,lr=0.001,chunk=32,topk=4,$P64,lr=0.002,topk=16"
+run "screen2-$PART-w16" --preset volunteer "${BASE[@]}" --arms "adamw,alone:lr=0.002,alone:lr=0.001,$S,\
+$P64,lr=0.001,$P,lr=0.001,chunk=16,$P64,lr=0.001,topk=16,$P,lr=0.001,chunk=32,topk=4"

@@ -17,7 +17,7 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=${1:?usage: bash research/gpu_parity.sh OUT [--tiny] [runner flags...]}
 shift
 LOCAL="distro:sync_every=16,topk=12,bits=2,embed.topk=31,matrix.topk=6"
-RECIPE="distro:topk=3,decay=0.9,warmup_for=12,warmup_topk=16"
+RECIPE="distro:update=sign,topk=3,decay=0.9,warmup_for=12,warmup_topk=16"
 SIZE=(--device cuda --torch-threads 0 --n-layers 8 --d-model 512 --n-heads 8 --d-ff 2048
       --seq-len 1024 --batch-size 32 --steps 150 --warmup-steps 15 --eval-every 50
       --eval-batches 8 --eval-batch-size 16 --checkpoint-every 50)

@@ -30,7 +30,7 @@ from experiments.netlab import Lab, tcp_payload_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # ring collectives: an all-reduce is 2(N-1) rounds (reduce-scatter, all-gather), an all-gather N-1
-ROUNDS = {"adamw": lambda n: 2 * (n - 1), "distro": lambda n: n - 1}
+ROUNDS = {"adamw": lambda n: 2 * (n - 1), "distro": lambda n: n - 1}  # by kind: the label before any ":"
 
 
 def runner_argv(args, arm: str, out: Path, workers: int, steps: int | None = None) -> list[str]:
@@ -146,7 +146,7 @@ def main() -> int:
                 per_arm[arm] = {**lab_run, "backend_sent_bytes": backend,
                                 "kernel_over_backend": [k / b for k, b in zip(lab_run["kernel_tx_bytes"], backend)],
                                 "payload_over_backend": [k / b for k, b in zip(lab_run["kernel_tx_payload"], backend)],
-                                "curve": curve(rows, alone[arm], args.rtt_ms / 1e3, ROUNDS[arm](args.workers)),
+                                "curve": curve(rows, alone[arm], args.rtt_ms / 1e3, ROUNDS[arm.split(":")[0]](args.workers)),
                                 "comm_s": sum(r["comm_s"] for r in rows)}
                 print(json.dumps({"rate_mbit": rate, "arm": arm, "elapsed_s": round(lab_run["elapsed_s"], 1),
                                   "kernel_over_backend": [round(x, 4) for x in per_arm[arm]["kernel_over_backend"]]}),
@@ -179,7 +179,7 @@ def crossover_mbit(study: dict, arm: str, rtt_ms: float, base: str = "adamw") ->
         a = per[name]
         steps = next(p["step"] for p in a["curve"] if p["val_loss"] <= a["target_loss"])
         comm = float(lowest) * a["comm_s"] / study["steps"]
-        return steps, study["compute_alone_s"][name] + ROUNDS[name](study["workers"]) * rtt_ms / 1e3, comm
+        return steps, study["compute_alone_s"][name] + ROUNDS[name.split(":")[0]](study["workers"]) * rtt_ms / 1e3, comm
 
     (n_b, fixed_b, comm_b), (n_a, fixed_a, comm_a) = terms(base), terms(arm)
     saved, lost = n_b * comm_b - n_a * comm_a, n_a * fixed_a - n_b * fixed_b  # x / rate against a constant

@@ -8,6 +8,8 @@
 # Needs the set-up of the README (scripts/setup.sh, python -m experiments.prepare) and, for the
 # second corpus, network access to PyPI once (pip download of the brotli sdist, whose test data
 # holds three Canterbury-corpus texts: Alice in Wonderland, Paradise Lost, a technical lecture).
+# Its results were measured with DeMo's sign rule as DisTrOAdamW's default: to rerun a per-step distro
+# arm as measured, add update=sign to it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/study}

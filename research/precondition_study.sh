@@ -17,7 +17,7 @@ OUT=${1:-runs/precondition}
 PART=${2:-all}
 mkdir -p "$OUT"
 . research/_common.sh
-ARMS="adamw,distro,distro:precondition=adam,update=linear,lr=0.001"
+ARMS="adamw,distro:update=sign,distro:precondition=adam,update=linear,lr=0.001,chunk=64"
 GRID=(--lr 0.004 --steps 150 --seeds 0,1 --arms "$ARMS" --no-plots --sweep "lr=0.5x,1x,2x")
 
 points() {  # points PREFIX [ARGS...]: the 4- and the 16-worker point

@@ -20,15 +20,15 @@ cd "$(dirname "$0")/.."
 OUT=${1:-runs/regime}
 mkdir -p "$OUT"
 . research/_common.sh
-POINT=(--preset smoke --seeds 0,1 --arms adamw,distro --no-plots --steps 150)
+POINT=(--preset smoke --seeds 0,1 --arms adamw,distro:update=sign --no-plots --steps 150)
 run rg-t512 "${POINT[@]}" --sweep "lr=2x,4x,8x,16x"
 run rg-w64 "${POINT[@]}" --sweep "lr=0.5x,1x,2x,4x,8x,16x" --d-model 64 --d-ff 192
 run rg-t2k "${POINT[@]}" --sweep "lr=4x,8x,16x" --batch-size 16
 run rg-w256 "${POINT[@]}" --sweep "lr=2x,4x,8x" --d-model 256 --d-ff 768
 run rg-w256-lr1 "${POINT[@]}" --sweep "lr=1x" --d-model 256 --d-ff 768
 # the token budget of rg-t2k (150 steps of 2,048 tokens) spent as 600 steps of 512 tokens
-run rg-t512-s600 --preset smoke --seeds 0,1 --arms adamw,distro --no-plots --steps 600 --sweep "lr=2x,4x,8x"
-run rg-t512-s600-lr16 --preset smoke --seeds 0,1 --arms adamw,distro --no-plots --steps 600 --sweep "lr=16x"
+run rg-t512-s600 --preset smoke --seeds 0,1 --arms adamw,distro:update=sign --no-plots --steps 600 --sweep "lr=2x,4x,8x"
+run rg-t512-s600-lr16 --preset smoke --seeds 0,1 --arms adamw,distro:update=sign --no-plots --steps 600 --sweep "lr=16x"
 # the second text (its corpus is made once, as research/tuned_study.sh makes it)
 CORPUS="$OUT/corpus-canterbury"
 canterbury_corpus "$CORPUS"

@@ -12,21 +12,21 @@ OUT=${1:-runs/study}
 mkdir -p "$OUT"
 . research/_common.sh
 GRID="lr=2x,4x,8x"  # sh-p: lr=1x,2x,4x,8x (1x was the worst point of every arm there)
-SPLIT="distro:embed.topk=8,matrix.topk=2,decay=0.9"   # per-kind top-k (1,031x)
-UNIFORM="distro:topk=3,decay=0.9"                     # the same idea for every parameter (1,135x)
-TOP3="distro:topk=3"                                  # top-3 alone (1,135x)
+SPLIT="distro:update=sign,embed.topk=8,matrix.topk=2,decay=0.9"   # per-kind top-k (1,031x)
+UNIFORM="distro:update=sign,topk=3,decay=0.9"                     # the same idea for every parameter (1,135x)
+TOP3="distro:update=sign,topk=3"                                  # top-3 alone (1,135x)
 LOCAL="distro:sync_every=16,topk=12,bits=2,embed.topk=31,matrix.topk=6"  # local steps (5,751x)
 # recipes on top (issue 26): Psyche's error feedback, a compression warm-up, clipping
-KEPT="distro:feedback=kept,distro:topk=3,decay=0.9,feedback=kept"
-WARM="distro:warmup_for=30,warmup_topk=32,distro:topk=3,decay=0.9,warmup_for=15,warmup_topk=16"
-WARM2="distro:topk=2,warmup_for=15,warmup_topk=32,distro:topk=2,decay=0.9,warmup_for=15,warmup_topk=32"  # 1,016x
-WARM3="distro:topk=3,decay=0.9,warmup_for=12,warmup_topk=16"  # 1,012x
+KEPT="distro:update=sign,feedback=kept,distro:update=sign,topk=3,decay=0.9,feedback=kept"
+WARM="distro:update=sign,warmup_for=30,warmup_topk=32,distro:update=sign,topk=3,decay=0.9,warmup_for=15,warmup_topk=16"
+WARM2="distro:update=sign,topk=2,warmup_for=15,warmup_topk=32,distro:update=sign,topk=2,decay=0.9,warmup_for=15,warmup_topk=32"  # 1,016x
+WARM3="distro:update=sign,topk=3,decay=0.9,warmup_for=12,warmup_topk=16"  # 1,012x
 CORPUS="$OUT/corpus-canterbury"
 canterbury_corpus "$CORPUS"
 TUNED=(--preset smoke --seeds 0,1 --sweep "$GRID")
-run sh-p --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x,8x" --arms "adamw,distro,$SPLIT"
+run sh-p --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x,8x" --arms "adamw,distro:update=sign,$SPLIT"
 run sh-u "${TUNED[@]}" --arms "$UNIFORM"
-run ca-p "${TUNED[@]}" --corpus "$CORPUS" --arms "adamw,distro,$UNIFORM"
+run ca-p "${TUNED[@]}" --corpus "$CORPUS" --arms "adamw,distro:update=sign,$UNIFORM"
 run sh-t3 "${TUNED[@]}" --arms "$TOP3"
 run ca-t3 "${TUNED[@]}" --corpus "$CORPUS" --arms "$TOP3"
 run sh-l --preset smoke --seeds 0,1 --sweep "$GRID;outer_lr=0.7,1" --arms "$LOCAL"
@@ -47,7 +47,7 @@ run sh-mu --preset smoke --seeds 0,1 --sweep "lr=1x,2x,4x;outer_lr=0.7,1" --arms
 run sh-mu8 --preset smoke --seeds 0,1 --sweep "lr=8x;outer_lr=0.7,1" --arms "$LOCAL,inner=muon"
 # the peers' own code, 4 torch.distributed ranks per point, and the AdamW they pair with
 run sh-a "${TUNED[@]}" --arms adamw
-run sh-d "${TUNED[@]}" --arms distro  # the defaults on the same machine as the peers
+run sh-d "${TUNED[@]}" --arms distro:update=sign  # the sign rule on the same machine as the peers
 run_ranks 4 sh-ps4 "${TUNED[@]}" --arms "powersgd:rank=4,start_iter=30"
 run_ranks 4 sh-ps1 "${TUNED[@]}" --arms "powersgd:rank=1,start_iter=30"
 run_ranks 4 sh-dp4 "${TUNED[@]}" --arms "demo-peer:topk=4"  # the DeMo port at our defaults' top-k

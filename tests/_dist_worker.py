@@ -184,7 +184,7 @@ def _optimizer(params, comm, args):
     from distro_opt import DisTrOAdamW
 
     sync_every = int(args[1]) if len(args) > 1 else 1
-    return DisTrOAdamW(params, lr=0.01, comm=comm, sync_every=sync_every, compression_topk=8)
+    return DisTrOAdamW(params, lr=0.01, comm=comm, sync_every=sync_every, compression_topk=8, compression_chunk=64)
 
 
 def _fsdp_setup(args):

@@ -15,7 +15,9 @@ from torch import nn
 from .outputs import write_new
 from .tasks import make_task
 
-COMPRESSION = {"topk": 8, "chunk": 64, "bits": 8}
+# DeMo's sign rule: the one this program's tasks, their lrs and the robustness study
+# (docs/volunteers.md) were measured with
+COMPRESSION = {"topk": 8, "chunk": 64, "bits": 8, "update": "sign"}
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
@@ -29,6 +31,7 @@ def make_optimizer(lr: float, params, comm):
         compression_topk=COMPRESSION["topk"],
         compression_chunk=COMPRESSION["chunk"],
         compression_bits=COMPRESSION["bits"],
+        update=COMPRESSION["update"],
         comm=comm,
     )
 

@@ -65,8 +65,8 @@ def test_per_kind_options_make_one_param_group_per_kind():
 
     from distro_opt.experiments.model import build_model
 
-    (arm,) = parse_arms("distro:topk=8,embed.update=adam,norm.lr=0.0003,matrix.bits=2")
-    assert arm.options == {"compression_topk": 8, "embed.update": "adam", "norm.lr": 0.0003, "matrix.compression_bits": 2}
+    (arm,) = parse_arms("distro:update=sign,topk=8,embed.update=adam,norm.lr=0.0003,matrix.bits=2")
+    assert arm.options == {"update": "sign", "compression_topk": 8, "embed.update": "adam", "norm.lr": 0.0003, "matrix.compression_bits": 2}
     preset = get_preset("smoke")
     model = build_model(preset.model_config(), seed=0)
     opt = build_optimizer(arm, model.named_parameters(), preset, None)

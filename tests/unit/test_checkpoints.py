@@ -230,14 +230,14 @@ def test_an_old_checkpoint_whose_rows_have_the_parameters_shape_is_still_read_as
     from distro_opt import DCTTransform
 
     p = torch.nn.Parameter(torch.randn(128, 4096, generator=torch.Generator().manual_seed(0)))
-    opt = DisTrOAdamW([p], lr=0.01)
+    opt = DisTrOAdamW([p], lr=0.01, compression_chunk=64)
     for _ in range(2):
         p.grad = torch.randn(128, 4096, generator=torch.Generator().manual_seed(1))
         opt.step()
     saved = opt.state_dict()
     rows = DCTTransform.chunk_rows(saved["state"][0]["delta"], (64, 64)).clone()
     assert rows.shape == p.shape and not torch.equal(rows, saved["state"][0]["delta"])
-    fresh = DisTrOAdamW([p], lr=0.01)
+    fresh = DisTrOAdamW([p], lr=0.01, compression_chunk=64)
     old_format = {"state": {0: dict(saved["state"][0], delta=rows)}, "param_groups": saved["param_groups"]}
     fresh.load_state_dict(old_format)
     assert torch.equal(fresh.state[p]["delta"], opt.state[p]["delta"])

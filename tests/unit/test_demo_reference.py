@@ -196,7 +196,8 @@ def test_the_fast_step_matches_the_reference_step(cls, input_scale, world_size, 
 
     def worker(backend):
         params = [torch.nn.Parameter(torch.from_numpy(x.copy())) for x in init]
-        opt = cls(params, lr=0.01, comm=backend, compression_bits=64, **REFERENCE_SETTINGS)
+        sign = {"update": "sign"} if cls is DisTrOAdamW else {}  # the reference is DeMo's sign step
+        opt = cls(params, lr=0.01, comm=backend, compression_bits=64, **sign, **REFERENCE_SETTINGS)
         for step in grads:
             for p, g in zip(params, step[backend.rank]):
                 p.grad = torch.from_numpy(np.array(g))
@@ -218,7 +219,7 @@ def test_the_float32_fast_paths_match_the_float64_reference_step_but_for_roundin
 
     def worker(backend):
         params = [torch.nn.Parameter(torch.from_numpy(x.copy()).float()) for x in init]
-        opt = DisTrOAdamW(params, lr=0.01, comm=backend, compression_bits=32, **settings)
+        opt = DisTrOAdamW(params, lr=0.01, comm=backend, compression_bits=32, update="sign", **settings)
         for step in grads:
             for p, g in zip(params, step[backend.rank]):
                 p.grad = torch.from_numpy(np.array(g)).float()

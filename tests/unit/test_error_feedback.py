@@ -8,7 +8,7 @@ from distro_opt import DisTrOAdamW
 
 
 def test_error_feedback_buffer_is_the_dct_of_the_gradient_minus_what_was_sent_in_the_parameters_shape():
-    """One worker, 32-bit values, first step: Delta = DCT(g) with each chunk's k largest |.| sent and
+    """One worker, 32-bit values, the sign rule (g itself feeds Delta), first step: Delta = DCT(g) with each chunk's k largest |.| sent and
     zeroed, in the parameter's own layout. Checked against scipy, chunk by chunk."""
     import numpy as np
     import scipy.fft
@@ -16,7 +16,7 @@ def test_error_feedback_buffer_is_the_dct_of_the_gradient_minus_what_was_sent_in
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(128, 192))
     p.grad = torch.randn(128, 192)
-    opt = DisTrOAdamW([p], lr=0.01, compression_topk=4, compression_bits=32)
+    opt = DisTrOAdamW([p], lr=0.01, compression_topk=4, compression_chunk=64, compression_bits=32, update="sign")
     opt.step()
     delta = opt.state[p]["delta"]
     assert delta.shape == p.shape
@@ -60,7 +60,8 @@ def test_error_feedback_subtracts_the_kept_values_or_what_the_receivers_dequanti
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(shape))
     p.grad = torch.randn(shape)
-    opt = DisTrOAdamW([p], lr=0.01, compression_topk=4, compression_bits=1, error_feedback=feedback)
+    opt = DisTrOAdamW([p], lr=0.01, compression_topk=4, compression_chunk=64, compression_bits=1,
+                      error_feedback=feedback, update="sign")
     opt.step()
     delta = opt.state[p]["delta"].double().numpy()
     for sl, coeffs, top in _dct_blocks_with_top_k(p.grad.double().numpy(), chunk_shape(shape, 64), 4):

@@ -70,7 +70,7 @@ def test_error_feedback_conserves_what_was_to_be_sent():
     step(model, opt, H - 1)  # the H-th inner step, then the sync
     local = _params_after_inner_steps(H)
     for (p, (anchor_old, delta_old)), p_local in zip(old.items(), local):
-        chunk = transform.chunk_shape(tuple(p.shape), 64)
+        chunk = transform.chunk_shape(tuple(p.shape), opt.param_groups[0]["compression_chunk"])
         to_send = anchor_old - p_local  # the pseudo-gradient (the decayed carry is added below)
         if delta_old is not None:
             to_send = to_send + 0.9 * transform.inverse(delta_old, chunk)

@@ -24,6 +24,7 @@ def _grads(model, t, rank=0):
 def _opt(model, **kw):
     with warnings.catch_warnings():  # one worker that compresses: the optimizer says so, once
         warnings.simplefilter("ignore")
+        kw.setdefault("compression_chunk", 16)  # the same chunks with and without the preconditioner
         return DisTrOAdamW(model.parameters(), lr=0.01, betas=(0.9, B2), eps=EPS, comm=SingleWorkerBackend(), **kw)
 
 
@@ -39,7 +40,7 @@ def test_adam_preconditioning_is_the_plain_step_fed_g_over_the_root_of_its_secon
     ours, plain = make_model(), make_model()
     plain.load_state_dict(ours.state_dict())
     opt_ours = _opt(ours, precondition="adam", update=update)
-    opt_plain = _opt(plain, update=update)
+    opt_plain = _opt(plain, precondition="none", update=update)
     vs = [torch.zeros_like(p) for p in plain.parameters()]
     for t in range(1, 7):
         grads = _grads(ours, t)
@@ -56,8 +57,8 @@ def test_adam_preconditioning_is_the_plain_step_fed_g_over_the_root_of_its_secon
 def test_linear_update_with_nothing_compressed_is_sgd_with_decoupled_weight_decay():
     model = make_model()
     start = [p.detach().clone() for p in model.parameters()]
-    opt = _opt(model, update="linear", compression_topk=64 * 64, compression_bits=32, compression_decay=0.0,
-               weight_decay=0.1)
+    opt = _opt(model, precondition="none", update="linear", compression_topk=64 * 64, compression_chunk=64,
+               compression_bits=32, compression_decay=0.0, weight_decay=0.1)
     grads = _grads(model, 0)
     _step(opt)
     for p, p0, g in zip(model.parameters(), start, grads):
@@ -141,3 +142,31 @@ def test_a_checkpoint_from_before_the_option_loads_without_preconditioning():
     fresh.load_state_dict(saved)
     assert all(g["precondition"] == "none" for g in fresh.param_groups)
     assert math.isfinite(float(fresh.state[next(model.parameters())]["step"]))
+
+
+@pytest.mark.parametrize("given, explicit", [
+    ({}, dict(precondition="adam", update="linear", compression_chunk=16)),
+    ({"update": "sign"}, dict(precondition="none", update="sign", compression_chunk=64)),
+    ({"precondition": "none"}, dict(precondition="none", update="sign", compression_chunk=64)),
+    ({"update": "adam"}, dict(precondition="none", update="adam", compression_chunk=64)),
+])
+def test_the_defaults_step_as_the_rule_they_name(given, explicit):
+    """Left out, the rule is the preconditioned linear update at 16x16 chunks; ``update="sign"`` (or
+    ``precondition="none"``) alone is DeMo's rule at its 64x64. Each steps bit for bit as the same
+    settings written out, and the group records what ran."""
+    ours, spelled = make_model(), make_model()
+    spelled.load_state_dict(ours.state_dict())
+    opt_ours, opt_spelled = _opt(ours, **{**given, "compression_chunk": None}), _opt(spelled, **explicit)
+    assert {k: opt_ours.param_groups[0][k] for k in explicit} == explicit
+    assert opt_ours.payload_nbytes == opt_spelled.payload_nbytes
+    for t in range(3):
+        _grads(ours, t)
+        _grads(spelled, t)
+        _step(opt_ours)
+        _step(opt_spelled)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), spelled.parameters()))
+
+
+def test_the_local_step_mode_defaults_to_no_preconditioner_and_64x64_chunks():
+    opt = DisTrOAdamW(make_model().parameters(), sync_every=4)
+    assert (opt.param_groups[0]["precondition"], opt.param_groups[0]["compression_chunk"]) == ("none", 64)

@@ -70,7 +70,8 @@ def share_moved_the_rogues_way(untrusted_fraction: float, steps: int = 3) -> flo
         backend.untrusted_fraction = untrusted_fraction
         model = make_model()
         model.load_state_dict(start)
-        opt = DisTrOAdamW(model.parameters(), lr=1e-2, compression_topk=8, compression_bits=8, comm=backend)
+        opt = DisTrOAdamW(model.parameters(), lr=1e-2, compression_topk=8, compression_chunk=64, compression_bits=8,
+                          update="sign", comm=backend)  # the volunteer program's rule
         down = 0.0
         for t in range(steps):
             x, y = batch(t, backend.rank)

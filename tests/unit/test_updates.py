@@ -29,7 +29,8 @@ def test_maximize_ascends_where_the_default_descends():
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_lr_scheduler_sets_the_sign_step_size(cls):
     model = make_model()
-    opt = cls(model.parameters(), lr=0.01, weight_decay=0.0)
+    sign = {"update": "sign"} if cls is DisTrOAdamW else {}  # DeMo's only update
+    opt = cls(model.parameters(), lr=0.01, weight_decay=0.0, **sign)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     train(model, opt, 1)
     sched.step()
