@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,9 @@ class TorchDistributedBackend(Backend):
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError("This process is not a member of the process group it was given")
-        self.group = group
+        # held weakly: a strong reference would keep the group alive past the caller's
+        # destroy_process_group, to be freed at interpreter exit, where Gloo's teardown can abort
+        self._group_ref = None if group is None else weakref.ref(group)
         self.timeout_s = timeout_s
         self._rank = rank
         self._world_size = dist.get_world_size(group)
@@ -87,6 +90,20 @@ class TorchDistributedBackend(Backend):
         self.stats = CommStats()
         self._capacity = 0  # payload bytes per rank the whole group agreed on; 0 until the first call
         self._reduce_agreed = None  # (descriptor, numel, dtype) of the last all_reduce all ranks agreed on
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the default group). ``CollectiveError`` once the caller has
+        destroyed it."""
+        if self._group_ref is None:
+            return None
+        group = self._group_ref()
+        if group is None:
+            raise CollectiveError(
+                f"rank {self._rank} of {self._world_size}: the process group was destroyed "
+                "(destroy_process_group); this backend cannot be used any more"
+            )
+        return group
 
     @property
     def rank(self) -> int:
