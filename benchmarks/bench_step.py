@@ -74,8 +74,7 @@ class GemmPath:
 
 class WithBf16Gemms:
     """DisTrOAdamW with its defaults (16x16 chunks: the GEMM path), stepped with
-    ``torch.backends.mkldnn.matmul.fp32_precision``
-    set to "bf16" (the user's process-wide permission for bf16 float32 matmuls, which its forward
+    ``torch.backends.mkldnn.matmul.fp32_precision`` set to "bf16" (the user's process-wide permission for bf16 float32 matmuls, which its forward
     DCT's oneDNN GEMMs then take on a CPU that computes bf16) around its own steps only, so that
     the other arms run with torch's default."""
 

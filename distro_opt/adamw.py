@@ -37,7 +37,8 @@ class DisTrOAdamW(DecoupledMomentumOptimizer):
     preconditioner and the 16x16 chunks are the defaults because they keep most of the
     data-parallel gain where DeMo's rule at 64x64 keeps little or none (docs/results-workers.md);
     they send 6.5 bytes per 256 parameters (four 1-byte indices, four 1-bit values, a bf16
-    magnitude): 77.9x fewer bytes than a bf16 gradient, 12x DeMo's 8.5 bytes per 4096. Their best lr was 1e-3 with 4 workers, 5e-4 with 16 (AdamW's: 4e-3).
+    magnitude): 77.9x fewer bytes than a bf16 gradient, 12x DeMo's 8.5 bytes per 4096. Their best
+    lr was 1e-3 with 4 workers, 5e-4 with 16 (AdamW's: 4e-3).
 
     Local-step mode (``sync_every=H > 1``; DiLoCo, Douillard et al. 2023; SparseLoCo 2025): each
     worker takes H steps of ``inner_optimizer`` (AdamW with this optimizer's lr, betas, eps and

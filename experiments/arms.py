@@ -31,7 +31,7 @@ import torch
 
 from distro_opt import DeMo, DisTrOAdamW
 from distro_opt.comm import SingleWorkerBackend
-from distro_opt.precondition import DEFAULT_CHUNK
+from distro_opt.precondition import default_rule
 
 from .cli import BOOL_WORDS
 from .peer_arms import PEER_ALIASES, PEER_KINDS, check_peer_options, peer_allowed_options, peer_option_type
@@ -296,7 +296,8 @@ def build_optimizer(arm: Arm, named_params, preset, backend):
     if arm.kind in ("adamw", ALONE):
         return torch.optim.AdamW(groups, **kwargs)
     if arm.kind == "diloco":  # every coefficient of a chunk: the whole pseudo-gradient
-        kwargs["compression_topk"] = (kwargs.get("compression_chunk") or DEFAULT_CHUNK["none"]) ** 2
+        chunk = default_rule(None, None, kwargs.get("compression_chunk"), kwargs["sync_every"])[2]
+        kwargs["compression_topk"] = chunk**2
     if "inner" in runner_options(arm.kind):
         matrices = {id(p) for n, p in named if param_part(n, p) == "matrix"}
         kwargs["inner_optimizer"] = inner_optimizer(arm.options, kwargs.get("sync_every", 1), matrices)
