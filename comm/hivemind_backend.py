@@ -25,8 +25,10 @@ voter, all peers compute the same set; what can still slip through (a peer that 
 votes; a voter that tells peers different things;
 a peer whose vote was refused because it received too little in time) is caught
 by the replica checksum the peer program compares through the DHT every K steps
-(``publish_checksum``/``compare_checksum``): a peer in the minority reloads state. With no majority
-(two peers that differ) nobody reloads, and the comparison logs a warning.
+(``publish_checksum``/``compare_checksum``): a peer that does not hold the checksum the reports
+choose reloads state (``replica_choice``: the most reported, the lowest between equals, so a 2-2 or
+1-1 split heals too). Where nothing is chosen (three or more reports that all differ) nobody
+reloads, and the comparison logs a warning.
 
 DHT heartbeats and checksums are signed by the peer they name (``hivemind_records``); a given DHT
 must be made with ``identity_path=`` (the key to sign with). ``allow_peers`` guards every stream this
@@ -361,8 +363,8 @@ class HivemindBackend(Backend):
         self.membership.publish_checksum(step, checksum)
 
     def compare_checksum(self, step: int, checksum: str) -> list[str] | None:
-        """``None`` when this peer agrees with the majority of the admitted peers' signed reports (or
-        there is none); else the majority's peers."""
+        """``None`` when this peer holds the checksum the admitted peers' signed reports choose
+        (``hivemind_membership.replica_choice``), or they choose none; else the peers holding it."""
         return self.membership.compare_checksum(step, checksum, self._admission.admits)
 
     def load_state_from_peers(self, prefer=None, timeout_s: float | None = None):

@@ -9,7 +9,7 @@ fails keeps the last view (each record until its own expiry), so one lost DHT an
 the next round run alone. Records of the peers ``allowed`` refuses (outside a private run's allow
 list) count nowhere: not in the view, the departures, the state servers or the checksums. The view
 answers the backend's questions about the others: are enough peers here to start, who can serve
-state, does this peer's checksum agree with the majority's.
+state, is this peer's checksum the one the replicas should hold (``replica_choice``).
 """
 
 from __future__ import annotations
@@ -167,17 +167,19 @@ class Membership:
         return out
 
     def compare_checksum(self, step: int, checksum: str, admits=lambda peer: True) -> list[str] | None:
-        """``None`` when this peer's ``checksum`` agrees with the majority of the reports for ``step``
-        of the peers ``admits`` accepts (or there is none: then differing reports are logged as a
-        warning); else the majority's peers."""
+        """``None`` when this peer's ``checksum`` for ``step`` is the one every replica should hold
+        (``replica_choice`` over the reports of the peers ``admits`` accepts, this peer's included),
+        or when no report picks one (then differing reports are logged as a warning); else the peers
+        that hold the chosen checksum, to reload state from."""
         reports = {p: c for p, c in self.checksums(step).items() if admits(p)}
         reports[self.peer_id] = checksum
-        value, holders = majority(reports)
+        others = sum(admits(p) for p in self.view())
+        value, holders = replica_choice(reports, run_size=others + 1)
         if value is None and len(set(reports.values())) > 1:
             # nobody reloads, so the replicas stay apart: say so, the program has no other sign of it
             logger.warning(
-                "step %d: the replica checksums of %d peers differ and none has a majority; "
-                "no peer reloads state", step, len(reports),
+                "step %d: the replica checksums of %d peers differ and none is held by more peers than "
+                "every other, by two or more; no peer reloads state", step, len(reports),
             )
         return None if value is None or value == checksum else holders
 
@@ -242,4 +244,31 @@ def majority(checksums: dict[str, str]) -> tuple[str | None, list[str]]:
     value, count = collections.Counter(checksums.values()).most_common(1)[0]
     if 2 * count <= len(checksums):
         return None, []
+    return value, sorted(p for p, v in checksums.items() if v == value)
+
+
+def replica_choice(checksums: dict[str, str], run_size: int) -> tuple[str | None, list[str]]:
+    """The checksum every replica should hold after a comparison, and who holds it, or (None, []).
+
+    ``checksums``: each reporting peer's checksum; ``run_size``: how many peers the reader's view
+    holds, itself included. The checksum held by the most peers, if two or more hold it, or if the
+    run is two peers and both report; between checksums held by equally many, the lowest. Every peer that reads the same reports picks the
+    same one, so a split heals at the next comparison whatever its shape: a strict majority as
+    before, and also a 2-2 or 1-1 tie, which used to leave the replicas apart for good.
+
+    One rogue among honest peers cannot take the run this way: a checksum held by two or more
+    peers is held by an honest one, and the download that follows takes only the state the holders
+    vouch for together (``CatchUp.download_state``); a checksum held by one peer is chosen only in
+    a run of two, where a rogue would be half of the peers (no rule can tell an honest peer from a
+    rogue then, and this backend assumes an honest majority), never because the other reports of a
+    larger run are missing from a lookup. With three or more reports that differ everywhere (a
+    rogue beside a split of two) nothing is chosen.
+    """
+    if not checksums:
+        return None, []
+    counts = collections.Counter(checksums.values())
+    most = max(counts.values())
+    if most < 2 and not len(checksums) == run_size == 2:
+        return None, []
+    value = min(v for v, n in counts.items() if n == most)
     return value, sorted(p for p, v in checksums.items() if v == value)

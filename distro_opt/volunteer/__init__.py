@@ -8,7 +8,8 @@ shard with DisTrO-AdamW.
 ``step | loss | peers | sent_bytes | recv_bytes | gather_s``. Peers that started together begin from
 the same seed; a ``--join`` peer downloads parameters and optimizer state from a live peer first.
 Every ``--checksum-every`` steps peers publish a checksum of their parameters in the DHT; a peer that
-disagrees with the majority reloads state from it.
+does not hold the checksum the reports choose (the most reported; the lowest between equals) reloads
+state from a peer that does.
 
 Preset ``synthetic`` (default, no download): an MLP learns a fixed random teacher network; each
 shard draws its own inputs. The teacher is the same for every peer, so the loss falls for all.

@@ -1,6 +1,7 @@
 """The volunteer's training loop: one DisTrO-AdamW step per run step over a hivemind backend, a
 status line per step, and the replica guard (peers publish a checksum of their parameters every
-``--checksum-every`` steps; one that disagrees with the majority reloads the majority's state)."""
+``--checksum-every`` steps; one that does not hold the checksum the reports choose reloads state
+from a peer that does: ``hivemind_membership.replica_choice``)."""
 
 from __future__ import annotations
 
@@ -218,8 +219,9 @@ def check_replica(backend, model, opt, step: int, every: int, published: dict, s
 
 def guard_replica(backend, model, opt, step: int, mine: str, summary: dict) -> None:
     """Compare our checksum after ``step`` with the others' (published two steps ago, so that they had
-    time to publish theirs); reload state from the majority if we differ."""
-    majority_peers = backend.compare_checksum(step, mine)
-    if majority_peers:
-        print(f"replica differs from the majority at step {step}: reloading state", flush=True)
-        resync(backend, model, opt, summary, prefer=majority_peers)
+    time to publish theirs); reload state from the peers holding the chosen checksum if we differ."""
+    holders = backend.compare_checksum(step, mine)
+    if holders:
+        print(f"replica differs from the one {len(holders)} peer(s) hold at step {step}: reloading state",
+              flush=True)
+        resync(backend, model, opt, summary, prefer=holders)

@@ -212,17 +212,26 @@ def test_checksum_minority_learns_the_majority_peers(dhts):
         assert c.compare_checksum(5, "bad") == sorted([a.peer_id, b.peer_id])
 
 
-def test_checksums_that_differ_without_a_majority_are_a_warning(dhts, caplog):
+def test_a_run_of_two_whose_replicas_split_reloads_the_higher_checksum(dhts):
+    # no majority can form between two peers: the lower checksum is chosen, so exactly one reloads
     with group(dhts, n=2) as (a, b):
         a.publish_checksum(3, "one")
         b.publish_checksum(3, "other")
+        assert a.compare_checksum(3, "one") is None
+        assert b.compare_checksum(3, "other") == [a.peer_id]
+
+
+def test_checksums_that_all_differ_are_a_warning(dhts, caplog):
+    with group(dhts, n=3) as (a, b, c):
+        for peer, value in ((a, "one"), (b, "other"), (c, "third")):
+            peer.publish_checksum(3, value)
         with caplog.at_level(logging.WARNING, logger="distro_opt.comm.hivemind_membership"):
-            assert a.compare_checksum(3, "one") is None  # a tie: nobody to reload from
-        assert "none has a majority" in caplog.text
+            assert a.compare_checksum(3, "one") is None  # a three-way split: nobody to reload from
+        assert "no peer reloads state" in caplog.text
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="distro_opt.comm.hivemind_membership"):
             assert a.compare_checksum(4, "one") is None  # no reports but ours: nothing to say
-        assert "majority" not in caplog.text
+        assert "reloads" not in caplog.text
 
 
 def test_clean_leave_is_seen_by_the_others_at_once(dhts):

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("hivemind")
 
 from distro_opt.comm import hivemind_wire as wire  # noqa: E402
-from distro_opt.comm.hivemind_membership import majority  # noqa: E402
+from distro_opt.comm.hivemind_membership import majority, replica_choice  # noqa: E402
 from distro_opt.comm.hivemind_state import StateFormatError, dump_state, load_state  # noqa: E402
 
 
@@ -118,6 +118,25 @@ def test_decode_vote_rejects_partial_digests():
 def test_majority_needs_more_than_half():
     assert majority({"a": "x", "b": "x", "c": "y"}) == ("x", ["a", "b"])
     assert majority({"a": "x", "b": "y"}) == (None, [])
+
+
+@pytest.mark.parametrize(
+    "reports, run_size, chosen",
+    [
+        ({"a": "x", "b": "x", "c": "y"}, 3, ("x", ["a", "b"])),  # a majority
+        ({"a": "y", "b": "y", "c": "x", "d": "z"}, 4, ("y", ["a", "b"])),  # the most reported, not half
+        ({"a": "y", "b": "y", "c": "x", "d": "x"}, 4, ("x", ["c", "d"])),  # 2-2: the lower
+        ({"a": "y", "b": "x"}, 2, ("x", ["b"])),  # a run of two that split
+        ({"a": "y", "b": "x"}, 3, (None, [])),  # a third peer's report is missing: no guess
+        ({"a": "y", "b": "x", "c": "z"}, 3, (None, [])),  # every report differs
+        ({"a": "x"}, 1, (None, [])),  # nothing to compare
+        ({"a": "x", "b": "x"}, 2, ("x", ["a", "b"])),
+    ],
+)
+def test_replica_choice_picks_one_checksum_for_every_split_it_can_tell_apart(reports, run_size, chosen):
+    assert replica_choice(reports, run_size) == chosen
+    # whoever reads the reports, in any order, picks the same
+    assert replica_choice(dict(reversed(list(reports.items()))), run_size) == chosen
 
 
 def test_state_roundtrip_keeps_tensors_types_and_int_keys():
