@@ -21,4 +21,7 @@ for xb, yb in loader:
     opt.step()
 print(f"rank {accelerator.process_index}: loss {loss.item():.4f}, "
       f"{opt.optimizer.comm.stats.bytes_sent} bytes sent")  # opt.optimizer: accelerate's wrapper's
+# release the optimizer before the group goes (free_memory also runs the garbage collector): an
+# optimizer still alive when the process group is destroyed sometimes aborted the exit in Gloo
+model, opt, loader = accelerator.free_memory(model, opt, loader)
 accelerator.end_training()  # destroys the process group before the interpreter exits

@@ -50,4 +50,5 @@ print(f"rank {accelerator.process_index}: resumed run {'equals' if same else 'DI
 accelerator.wait_for_everyone()
 if accelerator.is_main_process:
     shutil.rmtree(root)
+accelerator.free_memory()  # the optimizers go before the group (see accelerate_loop.py)
 accelerator.end_training()  # destroys the process group before the interpreter exits

@@ -1,5 +1,7 @@
 """FSDP2 inside a node, DisTrOAdamW between nodes: `torchrun --nproc-per-node 4 docs/examples/fsdp2.py`
 makes a 2 x 2 mesh on one machine; on a cluster use (nodes, gpus_per_node) and "cuda"."""
+import gc
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,4 +25,8 @@ for step in range(10):
     loss.backward()
     opt.step()
 print(f"rank {dist.get_rank()}: loss {loss.item():.4f}, {opt.comm.stats.bytes_sent} bytes sent")
+# release the optimizer and collect before the group goes: an optimizer still alive when the
+# process group is destroyed sometimes aborted the exit in Gloo ("terminate called ...")
+del opt
+gc.collect()
 dist.destroy_process_group()

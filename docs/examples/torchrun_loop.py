@@ -1,4 +1,6 @@
 """A plain training loop on several processes: `torchrun --nproc-per-node 2 docs/examples/torchrun_loop.py`."""
+import gc
+
 import torch
 import torch.distributed as dist
 
@@ -16,4 +18,8 @@ for step in range(20):
     loss.backward()
     opt.step()
 print(f"rank {dist.get_rank()}: loss {loss.item():.4f}, {opt.comm.stats.bytes_sent} bytes sent")
+# release the optimizer and collect before the group goes: an optimizer still alive when the
+# process group is destroyed sometimes aborted the exit in Gloo ("terminate called ...")
+del opt
+gc.collect()
 dist.destroy_process_group()
