@@ -252,9 +252,9 @@ def replica_choice(checksums: dict[str, str], run_size: int) -> tuple[str | None
 
     ``checksums``: each reporting peer's checksum; ``run_size``: how many peers the reader's view
     holds, itself included. The checksum held by the most peers, if two or more hold it, or if the
-    run is two peers and both report; between checksums held by equally many, the lowest. Every peer that reads the same reports picks the
-    same one, so a split heals at the next comparison whatever its shape: a strict majority as
-    before, and also a 2-2 or 1-1 tie, which used to leave the replicas apart for good.
+    run is two peers and both report; between checksums held by equally many, the lowest. Every
+    peer that reads the same reports picks the same one, so a split heals at the next comparison:
+    a strict majority as before, and also a 2-2 or 1-1 tie, which used to leave the replicas apart.
 
     One rogue among honest peers cannot take the run this way: a checksum held by two or more
     peers is held by an honest one, and the download that follows takes only the state the holders

@@ -2,8 +2,10 @@
 
 Churn: three peers start a run; one is SIGKILLed at step 10; a fourth joins late by downloading
 state, then trains in lockstep; one has its parameters nudged at step 21, so the replica checksum
-guard must catch it and reload the majority's state. Rogue: two honest peers and one that sends garbage every step.
-Each scenario runs once (module fixture); the tests below check one behaviour each.
+guard must catch it and reload the majority's state. Departures: a clean leave and a Ctrl-C beside a
+late joiner. Pair: a run of two whose replicas split, with no majority to heal it. Rogue: two honest
+peers and one that sends garbage every step. Each scenario runs once (module fixture); the tests
+below check one behaviour each.
 """
 
 import json
@@ -44,6 +46,11 @@ DEPART_STEPS, DEPART_JOIN, LEAVE_AT, INTERRUPT_AT = 32, 5, 15, 23
 ROGUE_STEPS = 25
 PAIR_STEPS, PAIR_PERTURB_AT = 16, 7
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def all_outputs(peers: dict) -> str:
+    """Every peer's whole output, each under its name: what a failing scenario test prints."""
+    return "\n".join(f"--- {n}\n" + p.output(last=None) for n, p in peers.items())
 
 
 def summaries(workdir, names):
@@ -116,7 +123,8 @@ def pair(tmp_path_factory):
         a = cluster.start("a", "--shard", "0", "--maddrs-file", "a.addr", "--out", "a.json")
         maddrs = cluster.read_maddrs("a.addr", 90)
         b = cluster.start(
-            "b", "--shard", "1", "--out", "b.json", "--perturb-at-step", str(PAIR_PERTURB_AT), initial_peers=maddrs
+            "b", "--shard", "1", "--out", "b.json", "--perturb-at-step", str(PAIR_PERTURB_AT),
+            initial_peers=maddrs,
         )
         codes = {p.name: p.wait_exit(150) for p in (a, b)}
         assert codes == {"a": 0, "b": 0}, "\n".join(p.output() for p in (a, b))
@@ -125,13 +133,14 @@ def pair(tmp_path_factory):
 
 def test_a_run_of_two_whose_replicas_split_heals_at_the_next_comparison(pair):
     s, peers = pair["summary"], pair["peers"]
-    outputs = "\n".join(f"--- {n}\n" + p.output(last=None) for n, p in peers.items())
+    outputs = all_outputs(peers)
     # exactly one of them reloads (the one whose checksum is the higher), from the other
-    reloaded = [n for n in "ab" if "replica differs from the one 1 peer(s) hold at step 9" in peers[n].output(last=None)]
+    line = "replica differs from the one 1 peer(s) hold at step 9"
+    reloaded = [n for n in "ab" if line in peers[n].output(last=None)]
     assert len(reloaded) == 1 and s[reloaded[0]]["resyncs"] == 1, outputs
     assert sum(v["resyncs"] for v in s.values()) == 1, outputs
-    assert s["a"]["checksum"] == s["b"]["checksum"] and s["a"]["final_step"] == s["b"]["final_step"] == PAIR_STEPS, \
-        outputs
+    assert s["a"]["checksum"] == s["b"]["checksum"], outputs
+    assert s["a"]["final_step"] == s["b"]["final_step"] == PAIR_STEPS, outputs
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +191,7 @@ def test_killed_peer_drops_out_of_the_step_after_its_crash(churn):
 
 
 def test_peer_whose_replica_diverged_reloaded_state_from_the_majority(churn):
-    outputs = "\n".join(f"--- {n}\n" + p.output(last=None) for n, p in churn["peers"].items())
+    outputs = all_outputs(churn["peers"])
     assert churn["summary"]["c"]["resyncs"] >= 1, outputs
     assert "replica differs from the one 2 peer(s) hold" in churn["peers"]["c"].output(last=None), outputs
     assert churn["summary"]["a"]["resyncs"] == 0, outputs
@@ -226,13 +235,13 @@ def out_of_sync_steps(peer) -> list[int]:
 
 def test_departures_knock_no_remaining_peer_out_of_sync(departures):
     s, peers = departures["summary"], departures["peers"]
-    outputs = "\n".join(f"--- {n}\n" + p.output(last=None) for n, p in peers.items())
+    outputs = all_outputs(peers)
     assert out_of_sync_steps(peers["c"]) == [] and s["c"]["resyncs"] == 0, outputs
     # the joiner's first round can miss a peer that had not heard of it yet, and then it reloads
     # state once (docs/volunteers.md, known gaps); no departure puts anyone out of sync
     assert all(step < LEAVE_AT for step in out_of_sync_steps(peers["d"])), outputs
-    assert s["c"]["checksum"] == s["d"]["checksum"] and s["c"]["final_step"] == s["d"]["final_step"] == DEPART_STEPS, \
-        outputs
+    assert s["c"]["checksum"] == s["d"]["checksum"], outputs
+    assert s["c"]["final_step"] == s["d"]["final_step"] == DEPART_STEPS, outputs
 
 
 def test_a_late_joiner_trains_with_everyone_through_both_departures(departures):
@@ -242,8 +251,9 @@ def test_a_late_joiner_trains_with_everyone_through_both_departures(departures):
     missed = max(out_of_sync_steps(peers["d"]), default=-1)
     in_sync = min(step for step in d if step > missed)  # after its reload, if its first rounds missed
     assert in_sync < LEAVE_AT and [step for step in sorted(d) if step >= in_sync] == list(range(in_sync, DEPART_STEPS))
-    outputs = "\n".join(f"--- {n}\n" + p.output(last=None) for n, p in peers.items())
-    assert all(d[step] == c[step] for step in d if step >= in_sync), outputs  # the same payloads at every step
+    outputs = all_outputs(peers)
+    # the same payloads at every step
+    assert all(d[step] == c[step] for step in d if step >= in_sync), outputs
     assert all(d[step] == 4 for step in d if in_sync <= step < LEAVE_AT)  # a, b, c and d itself
     # a's clean leave: not waited for, and never counted again
     assert all(d[step] == 3 for step in d if LEAVE_AT <= step <= INTERRUPT_AT)
