@@ -17,7 +17,7 @@ One ``all_gather`` is one *round* (numbered by step) in two phases, both under o
 A round holds only what this peer checked itself: a payload counts when it came on its sender's own
 stream (whose libp2p identity is the sender) and passed the program's ``payload_validator``; no
 vote makes this peer apply bytes it did not receive. Nothing is relayed: a peer that finds the step
-finished without it (more than half of the round's other peers answered LATE and never sent their
+finished without it (half or more of the round's other peers answered LATE and never sent their
 payloads; fewer count as missing payloads) abstains, applies nothing and sets ``out_of_sync``, so
 that the program reloads state, which it takes only when a majority of the servers asked vouch for
 it (``CatchUp.download_state``). When every vote reaches every

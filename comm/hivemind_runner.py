@@ -77,11 +77,15 @@ class RoundRunner:
         await r.wait_until(gathered, r.gather_deadline)
         behind = sorted(p for p in r.late if p not in r.payloads and self.admission.admits(p))
         counted = {p for p in expected | r.streams | r.pushed if p != self.peer_id and self.admission.admits(p)}
-        if behind and 2 * len(behind) > len(counted):
-            # most peers of this round finished it without us and we never got their payloads: we
-            # cannot apply what they applied. Abstain (our vote would make the peers holding our
-            # payload drop the ones we miss, which those who finished never dropped) and reload
-            # state afterwards.
+        if behind and 2 * len(behind) >= len(counted):
+            # half or more of this round's peers finished it without us and we never got their
+            # payloads: we cannot apply what they applied. Abstain (our vote would make the peers
+            # holding our payload drop the ones we miss, which those who finished never dropped) and
+            # reload state afterwards. Half counts: in a run of three, a joiner told LATE by one peer
+            # and served by the other would otherwise vote out the first one's payload at the second,
+            # and the three would apply three different sets, which no checksum majority can heal.
+            # One LATE answer in a run of four or more never reaches half, so a lone rogue cannot
+            # make an honest peer of such a run reload.
             logger.warning("step %d finished without this peer at %s: out of sync", step, _short(behind))
             self.book.out_of_sync = True
             r.phase1.set()
@@ -90,7 +94,7 @@ class RoundRunner:
             # A LATE answer proves nothing (a rogue can send one at every step to make the others
             # reload every step): from a minority it counts as a missing payload. Had it been true,
             # that peer applied another set than ours, which the replica checksum finds.
-            logger.warning("step %d: %s answered LATE, fewer than half of the %d peers of the round; "
+            logger.warning("step %d: %s answered LATE, less than half of the %d peers of the round; "
                            "going on without their payloads", step, _short(behind), len(counted))
 
         # 2. agree: vote the digests we hold to every peer whose payload we hold, wait for their votes

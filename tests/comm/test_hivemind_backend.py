@@ -94,6 +94,32 @@ def test_late_peer_applies_nothing_and_is_out_of_sync_until_it_loads_state(dhts)
         assert c.step == a.step and not c.out_of_sync
 
 
+def test_a_peer_told_late_by_one_of_two_others_abstains_so_the_other_two_stay_identical(dhts):
+    # a does not wait for c (as for a joiner it has not seen yet) and is past its gather phase when
+    # c pushes, so it answers LATE; b still waits for c and takes its payload. Had c gone on, it
+    # would vote out a's payload at b: a applies a+b, b only b, c b+c, and no checksum majority heals
+    with group(dhts, step_timeout_s=local.ROOMY_STEP_TIMEOUT_S) as (a, b, c):
+        expected = a._runner._expected
+        a._runner._expected = lambda: {p: rec for p, rec in expected().items() if p != c.peer_id}
+        results = {}
+
+        def run(name, backend, value):
+            results[name] = backend.all_gather(filled(value))
+
+        threads = [threading.Thread(target=run, args=a_b, daemon=True) for a_b in (("a", a, 1), ("b", b, 2))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + local.ROOMY_STEP_TIMEOUT_S
+        while not (0 in a._book.rounds and a._book.rounds[0].phase1.is_set()) and "a" not in results:
+            assert time.monotonic() < deadline, "a never finished its gather phase"
+            time.sleep(0.01)
+        run("c", c, 3)
+        for t in threads:
+            t.join(2 * local.ROOMY_STEP_TIMEOUT_S)
+        assert sorted(firsts(results["a"])) == sorted(firsts(results["b"])) == [1, 2]
+        assert results["c"] == [] and c.out_of_sync and not (a.out_of_sync or b.out_of_sync)
+
+
 def raw_gather_stream(sender, receiver):
     """A gather stream opened by hand from ``sender``'s p2p client to ``receiver`` (for misbehaving)."""
     return sender._link.p2p.call_binary_stream_handler(
