@@ -64,16 +64,17 @@ class RecordSigner:
 
 
 def start_dht(timeout_s: float, **options):
-    """``(DHT(**options), its signer)``, started within ``timeout_s``. Without an ``identity_path``
+    """``(a DHT made with **options, its signer)``, started within ``timeout_s``. Without an ``identity_path``
     the DHT gets a fresh identity, written by hivemind into a private directory that is removed once
-    its key is read. A DHT that fails to start is shut down."""
-    from hivemind import DHT  # noqa: PLC0415 - this module's other users need no DHT class
+    its key is read. The DHT process runs in a session of its own (``hivemind_process``). A DHT
+    that fails to start is shut down."""
+    from .hivemind_process import OwnSessionDHT  # noqa: PLC0415 - this module's other users need no DHT class
 
     fresh = None
     if "identity_path" not in options:
         fresh = tempfile.mkdtemp(prefix="distro-opt-identity-")
         options["identity_path"] = os.path.join(fresh, "p2p.key")
-    dht = DHT(start=False, **options)
+    dht = OwnSessionDHT(start=False, **options)
     try:
         dht.run_in_background(await_ready=True, timeout=timeout_s)
         return dht, signer_of(dht)

@@ -1,7 +1,8 @@
 """Test helper: run peer programs as separate process groups on 127.0.0.1 and read their status lines.
 
 Every wait is bounded; ``Cluster`` kills every process group it started when the test ends, passed
-or failed, so a failing test leaves no peer (nor its DHT process or p2p daemon) behind.
+or failed, so a failing test leaves no peer behind (a peer's DHT process and p2p daemon run in a
+session of their own and end with the peer: ``comm/hivemind_process.py``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Peer:
         return code
 
     def kill(self) -> None:
-        """SIGKILL the whole process group: the peer, its DHT process and its p2p daemon (a crash)."""
+        """SIGKILL the peer's process group (a crash); its DHT process and p2p daemon end with it."""
         if self.proc.poll() is None or _group_alive(self.proc.pid):
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -89,8 +90,8 @@ class Peer:
             pass
 
     def interrupt(self) -> None:
-        """SIGINT to the whole process group, as Ctrl-C in a terminal sends it (the DHT process and the
-        p2p daemon get it too)."""
+        """SIGINT to the peer's process group, as Ctrl-C in a terminal sends it (its DHT process and p2p
+        daemon, in a session of their own, do not get it)."""
         os.killpg(self.proc.pid, signal.SIGINT)
 
     def steps(self) -> list[dict]:
