@@ -1,9 +1,9 @@
 """The DHT process a hivemind backend starts for itself: out of the terminal's reach, gone with its owner.
 
 A terminal's Ctrl-C sends SIGINT to every process of the foreground process group. hivemind's DHT
-process ignores it, but the p2p daemon that process starts does not: it exits at once, and every
-stream, store and get of the peer fails from then on, so a peer interrupted in a terminal could
-not even announce its leave. ``OwnSessionDHT`` starts in a session of its own (its p2p daemon
+process ignores it, but the p2p daemon that process starts catches it: it may exit, or close the
+control socket the peer's streams and DHT calls go through, and a peer interrupted in a terminal
+then could not even announce its leave. ``OwnSessionDHT`` starts in a session of its own (its p2p daemon
 with it), so only the program gets the Ctrl-C and leaves cleanly; the program ends the DHT through
 ``DHT.shutdown()`` as before.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from hivemind import DHT
 
@@ -39,5 +40,5 @@ class OwnSessionDHT(DHT):
 def _die_with(owner_pid: int) -> None:
     """Kill this process group (this process and its p2p daemon) once ``owner_pid`` is not our parent."""
     while os.getppid() == owner_pid:
-        threading.Event().wait(WATCH_S)
+        time.sleep(WATCH_S)
     os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -38,25 +38,23 @@ def start_owner(run_id: str, dht) -> tuple[subprocess.Popen, str, int]:
     return proc, peer_id, int(dht_pid)
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state, parent, ...), or None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
+    parents = {int(e): stat_fields(int(e)) for e in os.listdir("/proc") if e.isdigit()}
+    return [p for p, fields in parents.items() if fields is not None and fields[1] == str(pid)]
 
 
 def running(pid: int) -> bool:
     """Whether ``pid`` is a process that has not ended (a zombie waiting to be reaped has ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def wait_until(cond, timeout_s: float, what: str) -> None:
